@@ -1,0 +1,33 @@
+"""mmferry: images and videos into Qwen-VL vision-language models."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Public name -> module. Imported on first use so `import mmferry` stays cheap and optional
+# extras (PyAV, tokenizers) are touched only when their feature is used.
+_EXPORTS: dict[str, str] = {
+    "smart_resize": "mmferry.preprocess.resize",
+    "Processor": "mmferry.processor",
+    "MultimodalItem": "mmferry.items",
+    "ProcessorConfig": "mmferry.config",
+    "VisionConfig": "mmferry.config",
+    "ModelConfig": "mmferry.config",
+    "TokenIds": "mmferry.config",
+    "load_model_config": "mmferry.config",
+    "ExpandedPrompt": "mmferry.prompt.expand",
+    "materialize_features": "mmferry.materialize",
+    "VisionEncoder": "mmferry.encoder.model",
+    "VisionOutput": "mmferry.encoder.model",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'mmferry' has no attribute {name!r}")

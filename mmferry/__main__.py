@@ -1,0 +1,3 @@
+from mmferry.cli import main
+
+raise SystemExit(main())

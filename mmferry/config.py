@@ -1,0 +1,330 @@
+"""Model facts read once from a checkpoint folder, as frozen dataclasses.
+
+HF field names are translated to ours here and nowhere else, including the `vision_config`
+nesting and the `size={"shortest_edge", "longest_edge"}` / `min_pixels`/`max_pixels` spellings
+of the preprocessor configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# model_type in config.json -> the family whose preprocessing, prompt and tower rules apply.
+MODEL_FAMILIES: dict[str, str] = {
+    "qwen2_vl": "qwen2_vl",
+    "qwen2_5_vl": "qwen2_5_vl",
+    "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl",
+    "qwen3_5": "qwen3_vl",
+    "qwen3_5_moe": "qwen3_vl",
+}
+SUPPORTED_MODEL_TYPES = tuple(MODEL_FAMILIES)
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+HALF = (0.5, 0.5, 0.5)
+
+# Decoded images larger than this many pixels are refused before full decoding
+# (decompression bombs). 128 MP is ~10x a 4000x3000 photo.
+DEFAULT_MAX_DECODED_PIXELS = 1 << 27
+
+
+def family_of(model_type: str) -> str:
+    """The family for a config.json `model_type`; a clear error for anything unsupported."""
+    try:
+        return MODEL_FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; mmferry supports: "
+            + ", ".join(SUPPORTED_MODEL_TYPES)
+        ) from None
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    image: int = 151655
+    video: int = 151656
+    vision_start: int = 151652
+    vision_end: int = 151653
+
+
+QWEN3_5_TOKENS = TokenIds(image=248056, video=248057, vision_start=248053, vision_end=248054)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower's architecture (our names; see `from_hf` for the HF spellings)."""
+
+    family: str
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    hidden_act: str
+    patch_size: int
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    in_channels: int = 3
+    # Qwen3-VL: learned position table (side**2 entries) and deepstack taps.
+    num_position_embeddings: int = 0
+    deepstack_visual_indexes: tuple[int, ...] = ()
+    # Qwen2.5-VL: window attention.
+    window_size: int = 0
+    fullatt_block_indexes: tuple[int, ...] = ()
+    tokens_per_second: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"vision hidden_size {self.hidden_size} is not divisible by "
+                f"num_heads {self.num_heads}"
+            )
+        for i in self.deepstack_visual_indexes + self.fullatt_block_indexes:
+            if not 0 <= i < self.depth:
+                raise ValueError(f"vision layer index {i} is outside depth {self.depth}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_hf(cls, vision: dict[str, Any], model_type: str) -> VisionConfig:
+        """Build from the `vision_config` dict of a config.json with this `model_type`."""
+        family = family_of(model_type)
+        v = dict(vision)
+        if family == "qwen2_vl":
+            # Qwen2-VL names the tower width `embed_dim` and the LLM width `hidden_size`.
+            embed = v.get("embed_dim", 1280)
+            return cls(
+                family=family,
+                depth=v.get("depth", 32),
+                hidden_size=embed,
+                intermediate_size=int(embed * v.get("mlp_ratio", 4)),
+                num_heads=v.get("num_heads", 16),
+                out_hidden_size=v.get("hidden_size", 3584),
+                hidden_act=v.get("hidden_act", "quick_gelu"),
+                patch_size=v.get("patch_size", 14),
+                spatial_merge_size=v.get("spatial_merge_size", 2),
+                temporal_patch_size=v.get("temporal_patch_size", 2),
+                in_channels=v.get("in_channels", v.get("in_chans", 3)),
+            )
+        if family == "qwen2_5_vl":
+            return cls(
+                family=family,
+                depth=v.get("depth", 32),
+                hidden_size=v.get("hidden_size", 3584),
+                intermediate_size=v.get("intermediate_size", 3420),
+                num_heads=v.get("num_heads", 16),
+                out_hidden_size=v.get("out_hidden_size", 3584),
+                hidden_act=v.get("hidden_act", "silu"),
+                patch_size=v.get("patch_size", 14),
+                spatial_merge_size=v.get("spatial_merge_size", 2),
+                temporal_patch_size=v.get("temporal_patch_size", 2),
+                in_channels=v.get("in_channels", v.get("in_chans", 3)),
+                window_size=v.get("window_size", 112),
+                fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))),
+                tokens_per_second=v.get("tokens_per_second", 4),
+            )
+        # Qwen3-VL and its siblings; Qwen3.5 towers have no deepstack taps.
+        default_deepstack = () if model_type.startswith("qwen3_5") else (8, 16, 24)
+        return cls(
+            family=family,
+            depth=v.get("depth", 27),
+            hidden_size=v.get("hidden_size", 1152),
+            intermediate_size=v.get("intermediate_size", 4304),
+            num_heads=v.get("num_heads", 16),
+            out_hidden_size=v.get("out_hidden_size", 3584),
+            hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
+            patch_size=v.get("patch_size", 16),
+            spatial_merge_size=v.get("spatial_merge_size", 2),
+            temporal_patch_size=v.get("temporal_patch_size", 2),
+            in_channels=v.get("in_channels", 3),
+            num_position_embeddings=v.get("num_position_embeddings", 2304),
+            deepstack_visual_indexes=tuple(v.get("deepstack_visual_indexes", default_deepstack)),
+        )
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    """Everything preprocessing and prompt expansion need; part of every item's hash."""
+
+    family: str
+    patch_size: int
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    image_min_pixels: int = 3136
+    image_max_pixels: int = 12845056
+    image_mean: tuple[float, float, float] = CLIP_MEAN
+    image_std: tuple[float, float, float] = CLIP_STD
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
+    video_mean: tuple[float, float, float] = CLIP_MEAN
+    video_std: tuple[float, float, float] = CLIP_STD
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    # Qwen3-VL video per-frame pixel cap (transformers' `cap_pixels_per_frame`); off by default
+    # as in transformers 5.24.
+    cap_pixels_per_frame: bool = False
+    # Qwen2.5-VL mRoPE: temporal positions per second of video.
+    tokens_per_second: int = 2
+    max_decoded_pixels: int = DEFAULT_MAX_DECODED_PIXELS
+    tokens: TokenIds = field(default_factory=TokenIds)
+
+    def __post_init__(self) -> None:
+        if self.family not in {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}:
+            raise ValueError(f"unknown processor family {self.family!r}")
+        for name in ("patch_size", "merge_size", "temporal_patch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.image_min_pixels > self.image_max_pixels:
+            raise ValueError("image_min_pixels is larger than image_max_pixels")
+        if self.video_min_pixels > self.video_max_pixels:
+            raise ValueError("video_min_pixels is larger than video_max_pixels")
+        if not 1 <= self.min_frames <= self.max_frames:
+            raise ValueError("need 1 <= min_frames <= max_frames")
+
+    @property
+    def factor(self) -> int:
+        """Side lengths are resized to multiples of this (patch * merge)."""
+        return self.patch_size * self.merge_size
+
+    def fingerprint(self) -> bytes:
+        """Stable bytes of every setting, mixed into each item's hash."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    def replace(self, **overrides: Any) -> ProcessorConfig:
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"unknown processor setting(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **overrides)
+
+
+_QWEN2 = ProcessorConfig(family="qwen2_vl", patch_size=14)
+_QWEN3 = ProcessorConfig(
+    family="qwen3_vl",
+    patch_size=16,
+    image_min_pixels=65536,
+    image_max_pixels=16777216,
+    image_mean=HALF,
+    image_std=HALF,
+    video_min_pixels=4096,
+    video_max_pixels=25165824,
+    video_mean=HALF,
+    video_std=HALF,
+)
+
+# The public checkpoints' preprocessor defaults, by the names users type.
+PRESETS: dict[str, ProcessorConfig] = {
+    "qwen2-vl": _QWEN2,
+    "qwen2.5-vl": _QWEN2.replace(family="qwen2_5_vl"),
+    "qwen3-vl": _QWEN3,
+    "qwen3-vl-moe": _QWEN3,
+    "qwen3.5": _QWEN3.replace(tokens=QWEN3_5_TOKENS),
+    "qwen3.5-moe": _QWEN3.replace(tokens=QWEN3_5_TOKENS),
+}
+
+
+def preset(name: str) -> ProcessorConfig:
+    key = name.lower().replace("_", "-")
+    if key not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[key]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A checkpoint folder's facts: model type, tower, token ids, preprocessing."""
+
+    model_type: str
+    family: str
+    vision: VisionConfig
+    tokens: TokenIds
+    processor: ProcessorConfig
+    text_hidden_size: int | None = None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _pixel_limits(cfg: dict[str, Any]) -> tuple[int | None, int | None]:
+    size = cfg.get("size") or {}
+    lo = cfg.get("min_pixels", size.get("shortest_edge", size.get("min_pixels")))
+    hi = cfg.get("max_pixels", size.get("longest_edge", size.get("max_pixels")))
+    return lo, hi
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read config.json and the preprocessor configs of a local checkpoint folder."""
+    root = Path(model_dir)
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"no config.json in {root}")
+    cfg = _read_json(cfg_path)
+    model_type = cfg.get("model_type")
+    if model_type is None:
+        raise ValueError(f"{cfg_path} has no model_type")
+    family = family_of(model_type)
+    vision = VisionConfig.from_hf(cfg.get("vision_config") or {}, model_type)
+    default_tokens = QWEN3_5_TOKENS if model_type.startswith("qwen3_5") else TokenIds()
+    tokens = TokenIds(
+        image=cfg.get("image_token_id", default_tokens.image),
+        video=cfg.get("video_token_id", default_tokens.video),
+        vision_start=cfg.get("vision_start_token_id", default_tokens.vision_start),
+        vision_end=cfg.get("vision_end_token_id", default_tokens.vision_end),
+    )
+    text = cfg.get("text_config") or cfg
+    base = _QWEN3 if family == "qwen3_vl" else _QWEN2.replace(family=family)
+    overrides: dict[str, Any] = {
+        "patch_size": vision.patch_size,
+        "merge_size": vision.spatial_merge_size,
+        "temporal_patch_size": vision.temporal_patch_size,
+        "tokens": tokens,
+    }
+    if family == "qwen2_5_vl":
+        overrides["tokens_per_second"] = vision.tokens_per_second
+    image_cfg_path = root / "preprocessor_config.json"
+    if image_cfg_path.is_file():
+        ic = _read_json(image_cfg_path)
+        lo, hi = _pixel_limits(ic)
+        overrides.update(
+            {k: v for k, v in (("image_min_pixels", lo), ("image_max_pixels", hi)) if v}
+        )
+        for ours, theirs in (("image_mean", "image_mean"), ("image_std", "image_std")):
+            if theirs in ic:
+                overrides[ours] = tuple(ic[theirs])
+        for key in ("patch_size", "merge_size", "temporal_patch_size"):
+            if key in ic:
+                overrides[key] = ic[key]
+    video_cfg_path = root / "video_preprocessor_config.json"
+    if video_cfg_path.is_file():
+        vc = _read_json(video_cfg_path)
+        lo, hi = _pixel_limits(vc)
+        overrides.update(
+            {k: v for k, v in (("video_min_pixels", lo), ("video_max_pixels", hi)) if v}
+        )
+        for ours, theirs in (("video_mean", "image_mean"), ("video_std", "image_std")):
+            if theirs in vc:
+                overrides[ours] = tuple(vc[theirs])
+        for key in ("fps", "min_frames", "max_frames"):
+            if vc.get(key) is not None:
+                overrides[key] = vc[key]
+        if vc.get("cap_pixels_per_frame") is not None:
+            overrides["cap_pixels_per_frame"] = bool(vc["cap_pixels_per_frame"])
+    return ModelConfig(
+        model_type=model_type,
+        family=family,
+        vision=vision,
+        tokens=tokens,
+        processor=base.replace(**overrides),
+        text_hidden_size=text.get("hidden_size"),
+    )

@@ -1,0 +1,1 @@
+"""embed stage of mmferry."""

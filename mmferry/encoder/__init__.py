@@ -1,0 +1,1 @@
+"""encoder stage of mmferry."""

@@ -1,0 +1,1 @@
+"""prompt stage of mmferry."""
