@@ -1,0 +1,114 @@
+"""Helpers for the prompt tests: a tiny Qwen-style tokenizer, items, tiny transformers models."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from mmferry.config import TokenIds
+from mmferry.items import MultimodalItem
+
+TOK = TokenIds()
+SPECIALS = {
+    "<|vision_start|>": TOK.vision_start,
+    "<|vision_end|>": TOK.vision_end,
+    "<|image_pad|>": TOK.image,
+    "<|video_pad|>": TOK.video,
+}
+WORDS = ["hello", "world", "describe", "the", "video", "image", "and", "what", "happens", "?"]
+
+
+def build_tokenizer_json(folder: Path) -> Path:
+    """A word-level tokenizer with Qwen's vision token ids, saved as a checkpoint would be."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<": 1, ">": 2, ".": 3, "seconds": 4}
+    vocab.update({str(d): 10 + d for d in range(10)})
+    vocab.update({w: 100 + i for i, w in enumerate(WORDS)})
+    vocab.update(SPECIALS)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    # "<12.5 seconds>" -> "<", "1", "2", ".", "5", "seconds", ">" (digits one by one, as Qwen's
+    # BPE splits numbers).
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.Punctuation(),
+        ]
+    )
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+    path = folder / "tokenizer.json"
+    assert path.is_file()
+    return path
+
+
+def make_item(
+    modality: str,
+    grid: tuple[int, int, int],
+    *,
+    timestamps: Sequence[float] | None = None,
+    second_per_grid_t: float | None = None,
+) -> MultimodalItem:
+    """An item with zero features of the right shape: prompt code reads only its metadata."""
+    t, h, w = grid
+    return MultimodalItem(
+        modality=modality,
+        feature=torch.zeros(t * h * w, 8),
+        grid_thw=grid,
+        layout="hf",
+        hash=f"{modality}-{t}x{h}x{w}",
+        timestamps=None if timestamps is None else tuple(timestamps),
+        second_per_grid_t=second_per_grid_t,
+    )
+
+
+_TEXT = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    vocab_size=152000,
+)
+
+
+def tiny_hf_model(family: str, *, tokens_per_second: int = 2):
+    """A tiny transformers Qwen-VL base model whose `get_rope_index` is the reference."""
+    if family == "qwen2_vl":
+        from transformers import Qwen2VLConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+
+        vision = dict(depth=1, embed_dim=16, num_heads=2, hidden_size=16)
+        return Qwen2VLModel(Qwen2VLConfig(text_config=_TEXT, vision_config=vision)).eval()
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+        vision = dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=16,
+            tokens_per_second=tokens_per_second,
+            fullatt_block_indexes=[0],
+        )
+        return Qwen2_5_VLModel(Qwen2_5_VLConfig(text_config=_TEXT, vision_config=vision)).eval()
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=16,
+        deepstack_visual_indexes=[0],
+        num_position_embeddings=16,
+    )
+    text = dict(_TEXT, head_dim=8)
+    return Qwen3VLModel(Qwen3VLConfig(text_config=text, vision_config=vision)).eval()
