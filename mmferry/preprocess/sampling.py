@@ -1,0 +1,99 @@
+"""Which frames of a video to keep, their timestamps, and each frame's pixel budget.
+
+Sampling follows transformers 5.24: `Qwen3VLVideoProcessor.sample_frames` for the qwen3_vl
+family and `Qwen2VLVideoProcessor.sample_frames` for qwen2_vl / qwen2_5_vl, with two
+deliberate differences that only matter where transformers fails: a clip shorter than the
+temporal patch size keeps all its frames (transformers divides by zero or raises), and
+`num_frames` larger than the clip is capped at the clip's length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from mmferry.config import ProcessorConfig
+from mmferry.preprocess.resize import smart_resize, smart_resize_video
+
+# transformers' `max_video_tokens` class defaults, used by `cap_pixels_per_frame`.
+QWEN3_MAX_FRAME_TOKENS = 768
+QWEN2_MAX_VIDEO_TOKENS = 128000
+
+
+def sample_indices(
+    cfg: ProcessorConfig,
+    total: int,
+    source_fps: float,
+    *,
+    fps: float | None = None,
+    num_frames: int | None = None,
+) -> list[int]:
+    """Indices (ascending, into `total` frames) of the frames to keep."""
+    if total < 1:
+        raise ValueError("a video needs at least one frame")
+    if fps is not None and num_frames is not None:
+        raise ValueError("pass either fps or num_frames, not both")
+    if num_frames is not None and num_frames < 1:
+        raise ValueError(f"num_frames must be >= 1, got {num_frames}")
+    fps = cfg.fps if fps is None else fps
+    if fps <= 0 or source_fps <= 0:
+        raise ValueError(f"fps and source fps must be positive, got {fps} and {source_fps}")
+    if cfg.family == "qwen3_vl":
+        if num_frames is None:
+            n = int(total / source_fps * fps)
+            n = min(max(n, cfg.min_frames), cfg.max_frames, total)
+        else:
+            n = min(num_frames, total)
+        # NOTE: numpy's round is half-to-even, as transformers uses.
+        return np.linspace(0, total - 1, n).round().astype(np.int64).tolist()
+    t = cfg.temporal_patch_size
+    if num_frames is not None:
+        n = round(num_frames / t) * t
+    else:
+        cap = math.floor(min(cfg.max_frames, total) / t) * t
+        n = min(max(total / source_fps * fps, cfg.min_frames), cap, total)
+        n = math.floor(n / t) * t
+    n = min(n, total)
+    if n < 1:
+        # Shorter than one temporal patch: keep every frame (padded later).
+        n = total
+    return torch.arange(0, total, total / n).int().tolist()
+
+
+def frame_timestamps(indices: list[int], source_fps: float, temporal: int) -> tuple[float, ...]:
+    """Qwen3-VL: one time (s) per temporal patch, the mean of its first and last frame's time."""
+    padded = indices + [indices[-1]] * (-len(indices) % temporal)
+    times = [i / source_fps for i in padded]
+    return tuple((times[k] + times[k + temporal - 1]) / 2 for k in range(0, len(times), temporal))
+
+
+def video_target_size(
+    cfg: ProcessorConfig, num_frames: int, height: int, width: int
+) -> tuple[int, int]:
+    """(height, width) every sampled frame is resized to.
+
+    `num_frames` is the sampled count before odd-count padding (as transformers sizes it);
+    clips shorter than the temporal patch are sized as if already padded to it.
+    """
+    f = cfg.factor
+    lo, hi = cfg.video_min_pixels, cfg.video_max_pixels
+    if cfg.family == "qwen3_vl":
+        n = max(num_frames, cfg.temporal_patch_size)
+        if cfg.cap_pixels_per_frame:
+            per_frame = max(min(QWEN3_MAX_FRAME_TOKENS * f * f, hi // n), int(lo * 1.05))
+            hi = per_frame * n
+        return smart_resize_video(
+            n,
+            height,
+            width,
+            temporal_factor=cfg.temporal_patch_size,
+            factor=f,
+            min_pixels=lo,
+            max_pixels=hi,
+        )
+    if cfg.cap_pixels_per_frame:
+        total_pixels = int(QWEN2_MAX_VIDEO_TOKENS * f * f * 0.9)
+        hi = max(min(hi, total_pixels * cfg.temporal_patch_size // num_frames), int(lo * 1.05))
+    return smart_resize(height, width, factor=f, min_pixels=lo, max_pixels=hi)

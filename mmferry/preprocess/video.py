@@ -1,0 +1,144 @@
+"""One video (file or frames) -> a `MultimodalItem`: sample, resize, pad, patchify, hash.
+
+Clips with fewer sampled frames than the temporal patch size (1-frame videos, or 2-frame
+ones with T > 2) are padded by repeating their last frame up to T before sizing, so they
+become one temporal patch; transformers 5.24 raises on them instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmferry.config import ProcessorConfig
+from mmferry.items import Layout, MultimodalItem
+from mmferry.preprocess.decode import decode_image, describe, read_source_bytes
+from mmferry.preprocess.hashing import item_hash
+from mmferry.preprocess.image import check_layout
+from mmferry.preprocess.patchify import patchify, resize_u8
+from mmferry.preprocess.sampling import frame_timestamps, sample_indices, video_target_size
+from mmferry.preprocess.video_decode import decode_frames, probe_video
+
+
+def _frames_tensor(source: Any, name: str, max_pixels: int) -> tuple[torch.Tensor, list[bytes]]:
+    """A frame sequence -> ([T, 3, H, W] uint8, identity parts)."""
+    if isinstance(source, (np.ndarray, torch.Tensor)):
+        if source.ndim != 4 or source.dtype not in (np.uint8, torch.uint8):
+            raise ValueError(
+                f"video {name} must be a THWC uint8 numpy array or a TCHW uint8 tensor"
+            )
+        if isinstance(source, np.ndarray):
+            t = torch.from_numpy(np.ascontiguousarray(source)).permute(0, 3, 1, 2)
+        else:
+            t = source.detach().cpu()
+        if t.shape[1] != 3:
+            raise ValueError(f"video {name} must have 3 (RGB) channels, got shape {tuple(t.shape)}")
+        if min(t.shape) == 0:
+            raise ValueError(f"video {name} has no frames or empty frames: {tuple(t.shape)}")
+        ident = [b"frames-u8", str(tuple(t.shape)).encode(), t.contiguous().numpy().tobytes()]
+        return t, ident
+    frames = [decode_image(f, max_pixels) for f in source]
+    if not frames:
+        raise ValueError(f"video {name} has no frames")
+    shapes = {tuple(f.pixels.shape) for f in frames}
+    if len(shapes) != 1:
+        raise ValueError(f"video {name} frames differ in size: {sorted(shapes)}")
+    ident = [part for f in frames for part in f.identity]
+    return torch.stack([f.pixels for f in frames]), ident
+
+
+def _padded(indices: list[int], temporal: int) -> list[int]:
+    """Indices with the last repeated up to a multiple of T, as transformers pads frames."""
+    return indices + [indices[-1]] * (-len(indices) % temporal)
+
+
+def _is_frame_sequence(source: Any) -> bool:
+    if isinstance(source, (np.ndarray, torch.Tensor)):
+        return True
+    return isinstance(source, Sequence) and not isinstance(source, (str, bytes, bytearray))
+
+
+def process_video(
+    source: Any,
+    cfg: ProcessorConfig,
+    *,
+    layout: Layout = "hf",
+    fps: float | None = None,
+    num_frames: int | None = None,
+    source_fps: float | None = None,
+) -> MultimodalItem:
+    """Sample, resize and patchify one video (a file, bytes, or frames with `source_fps`)."""
+    check_layout(layout)
+    name = describe(source) if not isinstance(source, list) else f"<{len(source)} frames>"
+    if _is_frame_sequence(source):
+        if source_fps is None:
+            raise ValueError(
+                f"video {name} is a frame sequence; pass source_fps= (its frame rate) so "
+                "frames can be sampled and timestamped"
+            )
+        all_frames, identity = _frames_tensor(source, name, cfg.max_decoded_pixels)
+        rate = float(source_fps)
+        total = all_frames.shape[0]
+        indices = sample_indices(cfg, total, rate, fps=fps, num_frames=num_frames)
+        frames = all_frames[_padded(indices, cfg.temporal_patch_size)]  # [n + pad, 3, H, W]
+    else:
+        if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)) and not hasattr(
+            source, "read"
+        ):
+            raise ValueError(
+                f"unsupported video source {name}; pass a path, bytes, a binary file, or frames "
+                "(PIL images, HWC arrays, a THWC uint8 array or a TCHW uint8 tensor)"
+            )
+        data = read_source_bytes(source)
+        assert data is not None
+        info = probe_video(data, name)
+        rate = float(source_fps) if source_fps is not None else info.fps
+        total = info.total_frames
+        indices = sample_indices(cfg, total, rate, fps=fps, num_frames=num_frames)
+
+        def check_size(h: int, w: int) -> None:
+            if h * w > cfg.max_decoded_pixels:
+                raise ValueError(
+                    f"video {name} frames of {h}x{w} exceed max_decoded_pixels="
+                    f"{cfg.max_decoded_pixels}"
+                )
+
+        slots = _padded(indices, cfg.temporal_patch_size)
+        frames = decode_frames(data, name, slots, check_size).permute(0, 3, 1, 2)
+        identity = [b"encoded", data]
+    padded_n, _, height, width = frames.shape
+    new_h, new_w = video_target_size(cfg, len(indices), height, width)
+    resized = resize_u8(frames, new_h, new_w)  # [n + pad, 3, new_h, new_w]
+    temporal = cfg.temporal_patch_size
+    feature = patchify(
+        resized,
+        image=False,
+        patch=cfg.patch_size,
+        merge=cfg.merge_size,
+        temporal=temporal,
+        layout=layout,
+        mean=cfg.video_mean,
+        std=cfg.video_std,
+    )
+    settings = json.dumps({"fps": fps, "num_frames": num_frames, "source_fps": source_fps})
+    timestamps = second_per_grid_t = None
+    if cfg.family == "qwen3_vl":
+        timestamps = frame_timestamps(indices, rate, temporal)
+    else:
+        # As Qwen2.5-VL's processor: T / the sampled frame rate (metadata.sampled_fps).
+        second_per_grid_t = temporal / (len(indices) / total * rate)
+    return MultimodalItem(
+        modality="video",
+        feature=feature,
+        grid_thw=(padded_n // temporal, new_h // cfg.patch_size, new_w // cfg.patch_size),
+        layout=layout,
+        hash=item_hash("video", identity, cfg, settings.encode()),
+        merge_size=cfg.merge_size,
+        timestamps=timestamps,
+        second_per_grid_t=second_per_grid_t,
+    )
