@@ -1,0 +1,142 @@
+"""FeaturePool: accounting, acks, cancel, dead readers, full-pool fallback; host and CUDA."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import warnings
+
+import pytest
+import torch
+
+from mmferry.transport.pool import (
+    CudaBacking,
+    FeaturePool,
+    HostBacking,
+    PoolHandle,
+    ack,
+    open_feature,
+)
+from mmferry.transport.shm import ShmHandle
+
+CTX = mp.get_context("spawn")
+MiB = 1 << 20
+
+
+def _feature(nbytes: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(seed)).view(-1, 64)
+
+
+def test_put_open_ack_accounting_returns_to_zero():
+    with FeaturePool(HostBacking(MiB)) as pool:
+        x = _feature(4096 * 4)
+        h = pool.put(x, readers=2)
+        assert isinstance(h, PoolHandle) and pool.used_bytes == x.numel() * 4
+        h = pickle.loads(pickle.dumps(h))
+        for r in range(2):
+            assert torch.equal(open_feature(h.for_reader(r)), x)
+        ack(h.for_reader(0))
+        assert pool.reclaim() == 0 and pool.live_slots == 1
+        ack(h.for_reader(1))
+        assert pool.reclaim() == 1
+        assert pool.used_bytes == 0 and pool.live_slots == 0
+
+
+def test_cancel_frees_unopened_slice():
+    with FeaturePool(HostBacking(MiB)) as pool:
+        h = pool.put(_feature(4096))
+        pool.cancel(h)
+        assert pool.live_slots == 0 and pool.used_bytes == 0
+        with pytest.raises(ValueError, match="expired"):
+            open_feature(h)
+
+
+def test_full_pool_falls_back_to_shm_with_identical_bytes_and_one_warning():
+    with FeaturePool(HostBacking(MiB)) as pool:
+        big = _feature(2 * MiB, seed=1)  # larger than the whole pool
+        with pytest.warns(RuntimeWarning, match="feature pool full"):
+            h = pool.put(big)
+        assert isinstance(h, ShmHandle) and pool.stats.fallbacks == 1
+        assert torch.equal(open_feature(pickle.loads(pickle.dumps(h))), big)
+        small = _feature(MiB - 4096, seed=2)
+        hs = pool.put(small)
+        assert isinstance(hs, PoolHandle)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a second fallback does not warn again
+            h2 = pool.put(_feature(64 * 1024, seed=3))
+        assert isinstance(h2, ShmHandle) and pool.stats.fallbacks == 2
+        assert torch.equal(open_feature(h2), _feature(64 * 1024, seed=3))
+        ack(hs)
+        assert isinstance(pool.put(_feature(64 * 1024)), PoolHandle)  # space reclaimed on put
+
+
+def _reader_child(handle, do_ack: bool, conn) -> None:
+    view = open_feature(handle)
+    conn.send(float(view.double().sum()))
+    if do_ack:
+        ack(handle)
+        conn.send("acked")
+        return
+    import time
+
+    time.sleep(600)
+
+
+def test_reader_processes_ack_or_die_and_nothing_leaks():
+    pool = FeaturePool(HostBacking(MiB))
+    names = [pool.backing.export()[1], pool._control.name, pool.fallback.name]
+    assert all(os.path.exists("/dev/shm" + n) for n in names)
+    x = _feature(8192, seed=4)
+    h = pool.put(x, readers=2)
+    procs = []
+    for r, do_ack in ((0, True), (1, False)):
+        parent, child = CTX.Pipe()
+        p = CTX.Process(target=_reader_child, args=(h.for_reader(r), do_ack, child), daemon=True)
+        p.start()
+        child.close()
+        assert parent.poll(60), "reader did not start in time"
+        assert parent.recv() == pytest.approx(float(x.double().sum()), rel=1e-9)
+        procs.append((p, parent))
+    assert procs[0][1].poll(60) and procs[0][1].recv() == "acked"
+    procs[0][0].join(60)
+    assert pool.reclaim() == 0  # reader 1 still holds it
+    os.kill(procs[1][0].pid, signal.SIGKILL)
+    procs[1][0].join(60)
+    assert pool.reclaim() == 1 and pool.used_bytes == 0
+    pool.close()
+    gc.collect()
+    assert not any(os.path.exists("/dev/shm" + n) for n in names)
+
+
+def test_bad_input():
+    with FeaturePool(HostBacking(MiB)) as pool:
+        with pytest.raises(ValueError, match="torch.Tensor"):
+            pool.put("x")
+        with pytest.raises(ValueError, match="readers"):
+            pool.put(torch.ones(4), readers=99)
+    with pytest.raises(ValueError, match="PoolHandle"):
+        open_feature(123)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pool_ipc_roundtrip_and_fallback():
+    with FeaturePool(CudaBacking(MiB)) as pool:
+        x = torch.randn(1024, 64, device="cuda")
+        h = pool.put(x)
+        assert isinstance(h, PoolHandle)
+        parent, child = CTX.Pipe()
+        p = CTX.Process(target=_reader_child, args=(h, True, child), daemon=True)
+        p.start()
+        child.close()
+        assert parent.poll(120)
+        assert parent.recv() == pytest.approx(float(x.double().sum().cpu()), rel=1e-6)
+        assert parent.poll(60) and parent.recv() == "acked"
+        p.join(60)
+        assert pool.reclaim() == 1
+        big = torch.randn(2 * MiB // 4, device="cuda")
+        with pytest.warns(RuntimeWarning):
+            hb = pool.put(big)
+        assert isinstance(hb, ShmHandle) and torch.equal(open_feature(hb), big.cpu())
