@@ -1,0 +1,122 @@
+"""Streams only the vision tower's tensors out of a safetensors checkpoint.
+
+Single-file (`model.safetensors`) and sharded (`model.safetensors.index.json`) checkpoints are
+read one shard at a time with `safe_open`, one tensor at a time, keeping only keys under a vision
+prefix. The tower is built on `meta` and the tensors are assigned into it, so host memory peaks
+near one tensor (plus the tower itself when the target is the CPU), never the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# Where the vision tower lives in a checkpoint, per family, most specific first. transformers
+# >= 4.52 saves `model.visual.*`; the original Qwen2-VL / Qwen2.5-VL releases use `visual.*`
+# (transformers renames `^visual` -> `model.visual` when loading them).
+VISION_PREFIXES: dict[str, tuple[str, ...]] = {
+    "qwen2_vl": ("model.visual.", "visual."),
+    "qwen2_5_vl": ("model.visual.", "visual."),
+    "qwen3_vl": ("model.visual.", "visual."),
+}
+
+# Key renames applied after the prefix is stripped, as (regex, replacement), per family.
+# The towers mirror the checkpoints' module names, so none is needed today; a family whose
+# checkpoints spell a module differently declares it here rather than in code.
+KEY_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen2_vl": (),
+    "qwen2_5_vl": (),
+    "qwen3_vl": (),
+}
+
+
+def _shards(root: Path) -> dict[Path, list[str]]:
+    """Shard file -> checkpoint keys in it; raises when no safetensors file exists."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        by_file: dict[Path, list[str]] = {}
+        for key, name in weight_map.items():
+            by_file.setdefault(root / name, []).append(key)
+        return by_file
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no model.safetensors(.index.json) in {root}")
+    by_file = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            by_file[f] = list(sf.keys())
+    return by_file
+
+
+def _pick_prefix(keys: list[str], family: str) -> str:
+    for prefix in VISION_PREFIXES[family]:
+        if any(k.startswith(prefix) for k in keys):
+            return prefix
+    raise ValueError(
+        f"checkpoint has no vision tower: no key starts with any of {VISION_PREFIXES[family]}"
+    )
+
+
+def _rename(key: str, family: str) -> str:
+    for pattern, repl in KEY_RENAMES[family]:
+        key = re.sub(pattern, repl, key)
+    return key
+
+
+def iter_vision_tensors(
+    model_dir: str | Path, family: str, *, device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (tower key, tensor on device in dtype) for every vision tensor, one at a time."""
+    root = Path(model_dir)
+    shards = _shards(root)
+    prefix = _pick_prefix([k for keys in shards.values() for k in keys], family)
+    for path, keys in shards.items():
+        wanted = [k for k in keys if k.startswith(prefix)]
+        if not wanted:
+            continue  # shards holding only language-model weights are never opened
+        with safe_open(str(path), framework="pt", device="cpu") as sf:
+            for key in wanted:
+                tensor = sf.get_tensor(key)
+                if tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                yield _rename(key[len(prefix) :], family), tensor.to(device)
+
+
+def assign_state(module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Assign `tensors` into `module` (built on meta); ValueError naming missing/unexpected keys."""
+    expected = set(module.state_dict().keys())
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for key, tensor in tensors:
+        if key in expected:
+            state[key] = tensor
+        else:
+            unexpected.append(key)
+    missing = sorted(expected - state.keys())
+    if missing or unexpected:
+        parts = []
+        for label, keys in (("missing", missing), ("unexpected", sorted(unexpected))):
+            if keys:
+                more = f" (+{len(keys) - 8} more)" if len(keys) > 8 else ""
+                parts.append(f"{label} vision keys: {', '.join(keys[:8])}{more}")
+        raise ValueError(
+            "checkpoint does not match the vision tower's architecture ("
+            + "; ".join(parts)
+            + "); check config.json's vision_config against the weights"
+        )
+    shapes = module.state_dict()
+    for key, tensor in state.items():
+        if tuple(tensor.shape) != tuple(shapes[key].shape):
+            raise ValueError(
+                f"vision key {key} has shape {tuple(tensor.shape)} in the checkpoint, "
+                f"the config implies {tuple(shapes[key].shape)}"
+            )
+    module.load_state_dict(state, strict=True, assign=True)
+    module.requires_grad_(False)

@@ -1,0 +1,298 @@
+"""`VisionEncoder`: the public face of the vision towers.
+
+`enc(items)` takes preprocessed items of either layout on any device, packs each input kind onto
+the encoder's device in one step, runs ONE tower forward for the whole batch and returns one
+`VisionOutput` per item in input order (row views of the batch output, no copies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+from torch import nn
+
+from mmferry.config import VisionConfig, load_model_config, preset
+from mmferry.encoder.attention import get_attention
+from mmferry.encoder.layers import KINDS
+from mmferry.encoder.loader import assign_state, iter_vision_tensors
+from mmferry.encoder.qwen2_5_vl import Qwen2VisionTower
+from mmferry.encoder.qwen3_vl import Qwen3VisionTower
+from mmferry.items import MultimodalItem
+from mmferry.materialize import materialize_features
+
+# Built-in architectures for `VisionEncoder.random`: the public checkpoints' towers
+# (Qwen3-VL-2B/4B, Qwen2.5-VL-7B, Qwen2-VL-2B).
+RANDOM_CONFIGS: MappingProxyType[str, VisionConfig] = MappingProxyType(
+    {
+        "qwen3-vl": VisionConfig(
+            family="qwen3_vl",
+            depth=24,
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_heads=16,
+            out_hidden_size=2048,
+            hidden_act="gelu_pytorch_tanh",
+            patch_size=16,
+            num_position_embeddings=2304,
+            deepstack_visual_indexes=(5, 11, 17),
+        ),
+        "qwen2.5-vl": VisionConfig(
+            family="qwen2_5_vl",
+            depth=32,
+            hidden_size=1280,
+            intermediate_size=3420,
+            num_heads=16,
+            out_hidden_size=3584,
+            hidden_act="silu",
+            patch_size=14,
+            window_size=112,
+            fullatt_block_indexes=(7, 15, 23, 31),
+            tokens_per_second=2,
+        ),
+        "qwen2-vl": VisionConfig(
+            family="qwen2_vl",
+            depth=32,
+            hidden_size=1280,
+            intermediate_size=5120,
+            num_heads=16,
+            out_hidden_size=1536,
+            hidden_act="quick_gelu",
+            patch_size=14,
+        ),
+    }
+)
+_FAMILY_PRESET = {"qwen3_vl": "qwen3-vl", "qwen2_5_vl": "qwen2.5-vl", "qwen2_vl": "qwen2-vl"}
+
+
+@dataclass(frozen=True)
+class VisionOutput:
+    """One item's vision embeddings [tokens, out_hidden] and Qwen3-VL deepstack rows."""
+
+    embeds: torch.Tensor
+    deepstack: tuple[torch.Tensor, ...] = ()
+
+
+def build_tower(cfg: VisionConfig) -> nn.Module:
+    """The tower module for `cfg.family` (parameters wherever the current device context says)."""
+    if cfg.family == "qwen3_vl":
+        return Qwen3VisionTower(cfg)
+    if cfg.family in ("qwen2_5_vl", "qwen2_vl"):
+        return Qwen2VisionTower(cfg)
+    raise ValueError(f"no vision tower for family {cfg.family!r}")
+
+
+def _random_state(tower: nn.Module, seed: int, dtype: torch.dtype, device: torch.device):
+    gen = torch.Generator().manual_seed(seed)
+    for key, ref in tower.state_dict().items():
+        # Seeded on the CPU so every device gets the same weights for the same seed.
+        noise = torch.randn(ref.shape, generator=gen, dtype=torch.float32) * 0.02
+        if ref.dim() == 1 and key.endswith("weight"):
+            noise += 1.0  # norm scales around one
+        yield key, noise.to(device=device, dtype=dtype)
+
+
+class VisionEncoder:
+    """A checkpoint-compatible Qwen-VL vision tower that encodes `MultimodalItem`s."""
+
+    # Capabilities the pipeline asks for instead of class names.
+    moves_own_inputs = True
+    accepted_layouts = ("hf", "compact-u8")
+
+    def __init__(
+        self,
+        tower: nn.Module,
+        config: VisionConfig,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        attention: str,
+        mean_std: tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[float]],
+        random_weights: bool = False,
+    ) -> None:
+        self.tower = tower.eval()
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.attention = attention
+        self.random_weights = random_weights
+        self._attend = get_attention(attention, self.device)
+        with torch.inference_mode(False), torch.no_grad():
+            tower.patch_embed.fold_compact(*mean_std)
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        attention: str = "sdpa",
+    ) -> VisionEncoder:
+        """Load only the vision tower of a local Qwen-VL checkpoint folder."""
+        mc = load_model_config(model_dir)
+        device = torch.device(device)
+        with torch.device("meta"):
+            tower = build_tower(mc.vision)
+        assign_state(tower, iter_vision_tensors(model_dir, mc.family, device=device, dtype=dtype))
+        p = mc.processor
+        return cls(
+            tower,
+            mc.vision,
+            device=device,
+            dtype=dtype,
+            attention=attention,
+            mean_std=(p.image_mean, p.image_std, p.video_mean, p.video_std),
+        )
+
+    @classmethod
+    def random(
+        cls,
+        model: str = "qwen3-vl",
+        *,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        config: VisionConfig | None = None,
+        attention: str = "sdpa",
+    ) -> VisionEncoder:
+        """A tower with the real architecture and SEEDED RANDOM weights (not a checkpoint)."""
+        key = model.lower().replace("_", "-")
+        if config is None:
+            if key not in RANDOM_CONFIGS:
+                raise ValueError(
+                    f"unknown model {model!r}; choose one of {', '.join(RANDOM_CONFIGS)}"
+                )
+            config = RANDOM_CONFIGS[key]
+        device = torch.device(device)
+        with torch.device("meta"):
+            tower = build_tower(config)
+        if device.type != "meta":
+            assign_state(tower, _random_state(tower, seed, dtype, device))
+        else:
+            tower.to(dtype)
+        p = preset(_FAMILY_PRESET[config.family])
+        return cls(
+            tower,
+            config,
+            device=device,
+            dtype=dtype,
+            attention=attention,
+            mean_std=(p.image_mean, p.image_std, p.video_mean, p.video_std),
+            random_weights=True,
+        )
+
+    # -- facts ----------------------------------------------------------------------------
+
+    @property
+    def out_hidden_size(self) -> int:
+        return self.config.out_hidden_size
+
+    @property
+    def num_deepstack(self) -> int:
+        return len(self.config.deepstack_visual_indexes)
+
+    def __repr__(self) -> str:
+        c = self.config
+        weights = "RANDOM WEIGHTS (seeded, not a checkpoint)" if self.random_weights else "loaded"
+        return (
+            f"VisionEncoder({c.family}, depth={c.depth}, hidden={c.hidden_size}, "
+            f"out_hidden={c.out_hidden_size}, deepstack={self.num_deepstack}, "
+            f"device={self.device}, dtype={self.dtype}, attention={self.attention}, {weights})"
+        )
+
+    # -- encoding -------------------------------------------------------------------------
+
+    def _kind(self, layout: str, modality: str | None, width: int) -> str:
+        c = self.config
+        patch = c.in_channels * c.patch_size**2
+        full = patch * c.temporal_patch_size
+        if layout == "hf":
+            kind, want = "hf", full
+        elif layout == "compact-u8":
+            if modality is None:  # a packed tensor: the width says which
+                modality = "image" if width == patch else "video"
+            kind, want = ("u8-image", patch) if modality == "image" else ("u8-video", full)
+        else:
+            raise ValueError(f"layout must be one of {self.accepted_layouts}, got {layout!r}")
+        if width != want:
+            raise ValueError(
+                f"{layout} {modality or 'feature'} rows have {width} columns; this tower expects "
+                f"{want} (C={c.in_channels}, T={c.temporal_patch_size}, P={c.patch_size})"
+            )
+        return kind
+
+    def _run(self, segments, grids) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        meta = self.tower.metadata(grids).to(self.device)
+        with torch.inference_mode():
+            return self.tower(segments, meta, self._attend)
+
+    def _split(self, merged, deepstack, grids) -> list[VisionOutput]:
+        unit = self.config.spatial_merge_size**2
+        sizes = [t * h * w // unit for t, h, w in grids]
+        rows = merged.split(sizes)
+        taps = [d.split(sizes) for d in deepstack]
+        return [VisionOutput(rows[i], tuple(tap[i] for tap in taps)) for i in range(len(sizes))]
+
+    def __call__(self, items: Sequence[MultimodalItem]) -> list[VisionOutput]:
+        """Encode items (any layout, any device) in one forward; outputs in input order."""
+        if not items:
+            return []
+        merge = self.config.spatial_merge_size
+        kinds = []
+        for i, item in enumerate(items):
+            if item.merge_size != merge:
+                raise ValueError(f"item {i} has merge_size {item.merge_size}, tower uses {merge}")
+            kinds.append(self._kind(item.layout, item.modality, item.feature.shape[1]))
+        # Kinds in blocks (one patch-embed matmul each); equal frame sizes side by side so
+        # attention batches them (see attention.py).
+        order = sorted(
+            range(len(items)),
+            key=lambda i: (KINDS.index(kinds[i]), items[i].grid_thw[1] * items[i].grid_thw[2]),
+        )
+        segments = []
+        for kind in KINDS:
+            feats = [items[i].feature for i in order if kinds[i] == kind]
+            if feats:
+                dtype = self.dtype if kind == "hf" else torch.uint8
+                segments.append(
+                    (kind, materialize_features(feats, device=self.device, dtype=dtype))
+                )
+        grids = [items[i].grid_thw for i in order]
+        outs = self._split(*self._run(segments, grids), grids)
+        result: list[VisionOutput] = [outs[0]] * len(items)
+        for pos, i in enumerate(order):
+            result[i] = outs[pos]
+        return result
+
+    def forward_packed(
+        self,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor | Sequence[Sequence[int]],
+        *,
+        layout: str = "hf",
+    ) -> list[VisionOutput]:
+        """Encode one packed tensor of rows for `grid_thw` (pass grids on the host: a CUDA
+        tensor costs one sync to read). Compact-u8 widths C*P*P / C*T*P*P mean images / videos."""
+        grids = [
+            tuple(int(v) for v in g)
+            for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)
+        ]
+        if not grids:
+            return []
+        rows = sum(t * h * w for t, h, w in grids)
+        if pixel_values.dim() != 2 or pixel_values.shape[0] != rows:
+            raise ValueError(
+                f"pixel_values of shape {tuple(pixel_values.shape)} does not hold the "
+                f"{rows} patch rows of grid_thw"
+            )
+        kind = self._kind(layout, None, pixel_values.shape[1])
+        if kind == "u8-image" and any(t != 1 for t, _, _ in grids):
+            raise ValueError("compact-u8 image rows need grid_t == 1 for every item")
+        x = pixel_values.to(self.device, non_blocking=True)
+        return self._split(*self._run([(kind, x)], grids), grids)
