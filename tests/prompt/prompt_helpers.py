@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from mmferry.config import TokenIds
+from mmferry.config import TokenIds, preset
 from mmferry.items import MultimodalItem
 
 TOK = TokenIds()
@@ -112,3 +112,66 @@ def tiny_hf_model(family: str, *, tokens_per_second: int = 2):
     )
     text = dict(_TEXT, head_dim=8)
     return Qwen3VLModel(Qwen3VLConfig(text_config=text, vision_config=vision)).eval()
+
+
+FAMILY_PRESET = {"qwen2_vl": "qwen2-vl", "qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl"}
+
+
+def hf_processor(
+    family: str, tokenizer, videos: list[tuple[tuple[int, int, int], list[int], float]]
+):
+    """The family's transformers processor; `videos` are (grid, frame indices, fps) per video."""
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_processing_utils import BaseVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    base = {
+        "qwen2_vl": Qwen2VLProcessor,
+        "qwen2_5_vl": Qwen2_5_VLProcessor,
+        "qwen3_vl": Qwen3VLProcessor,
+    }[family]
+    cfg = preset(FAMILY_PRESET[family])
+
+    class PrecomputedVideos(base):
+        def check_argument_for_proper_class(self, name, arg):
+            # The video-processor registry is a torchvision-less dummy here.
+            if name == "video_processor":
+                return type(arg)
+            return super().check_argument_for_proper_class(name, arg)
+
+        def _process_videos(self, pixel_videos, **kwargs):
+            assert len(pixel_videos) == len(videos)
+            processed = {
+                "video_grid_thw": torch.tensor([g for g, _, _ in videos]),
+                "video_metadata": [
+                    VideoMetadata(total_num_frames=max(ix) + 1, fps=fps, frames_indices=list(ix))
+                    for _, ix, fps in videos
+                ],
+            }
+            repl = [self.replace_video_token(processed, video_idx=i) for i in range(len(videos))]
+            return processed, repl
+
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=cfg.patch_size,
+        merge_size=cfg.merge_size,
+        temporal_patch_size=cfg.temporal_patch_size,
+        min_pixels=cfg.factor**2,
+        max_pixels=cfg.factor**2 * 64,
+    )
+    video_processor = BaseVideoProcessor(
+        merge_size=cfg.merge_size, temporal_patch_size=cfg.temporal_patch_size
+    )
+    return PrecomputedVideos(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor
+    )
+
+
+def hf_timestamps(indices: list[int], fps: float, merge: int = 2) -> list[float]:
+    """Seconds per temporal patch: pad indices to a multiple of `merge`, mean of first and last."""
+    ix = list(indices) + [indices[-1]] * (-len(indices) % merge)
+    return [(ix[i] / fps + ix[i + merge - 1] / fps) / 2 for i in range(0, len(ix), merge)]

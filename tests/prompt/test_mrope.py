@@ -7,14 +7,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prompt_helpers import TOK, make_item
+from prompt_helpers import FAMILY_PRESET, TOK, make_item
 
 from mmferry.config import preset
 from mmferry.prompt.expand import expand_prompt
 from mmferry.prompt.mrope import VisionSpan, mrope_positions
 
 VS, VE, IMG, VID = TOK.vision_start, TOK.vision_end, TOK.image, TOK.video
-FAMILY_PRESET = {"qwen2_vl": "qwen2-vl", "qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl"}
 
 
 def extent_rule(ids: list[int], blocks: list[tuple[int, int, int, float]]) -> tuple[list, int]:
