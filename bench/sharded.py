@@ -15,7 +15,6 @@ import argparse
 import os
 import random
 import socket
-import statistics
 import tempfile
 import time
 
@@ -60,11 +59,16 @@ def balance_table(worlds: tuple[int, ...]) -> list[str]:
         # Re-cost the peers' placement under the same model mmferry balances.
         per_rank = [sum(model.item_cost(grids[s.item]) for s in r) for r in peers.shards]
         peers_imb = max(per_rank) * world / sum(per_rank)
+        whole = assign_work(grids, world, merge_size=2, split_frames=False, cost_model=model)
         ours = assign_work(grids, world, merge_size=2, cost_model=model)
+        head = f"imbalance (max/mean rank cost), {world} ranks, {len(grids)} items: "
+        peers_txt = f"peers (whole items, LPT by patches) {peers_imb:.2f}"
         lines.append(
-            f"imbalance (max/mean rank cost), {world} ranks, {len(grids)} items: "
-            f"peers (whole items, LPT by patches) {peers_imb:.2f} | mmferry {ours.imbalance:.3f}"
-            f" | {peers_imb / ours.imbalance:.2f}x"
+            f"{head}{peers_txt} | mmferry {ours.imbalance:.3f} | {peers_imb / ours.imbalance:.2f}x"
+        )
+        lines.append(
+            f"{head}{peers_txt} | mmferry cost model without frame split {whole.imbalance:.2f}"
+            f" | {peers_imb / whole.imbalance:.2f}x"
         )
     return lines
 
@@ -104,13 +108,14 @@ def _timing_items(quick: bool):
 
 
 def _time(fn, reps: int) -> float:
-    fn()  # warm-up, excluded
+    """Best of `reps` runs after one warm-up: the least disturbed by other load on the machine."""
+    fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def _rank_main(rank: int, world: int, init: str, quick: bool, reps: int, out: str) -> None:
@@ -145,7 +150,7 @@ def _free_port() -> int:
 def wall_time_lines(quick: bool) -> list[str]:
     from mmferry.encoder.model import VisionEncoder
 
-    reps = 2 if quick else 5
+    reps = 3 if quick else 7
     enc = VisionEncoder.random(config=_tiny_config(), seed=0, dtype=torch.float32)
     items = _timing_items(quick)
     patches = sum(it.num_patches for it in items)
@@ -166,7 +171,7 @@ def wall_time_lines(quick: bool) -> list[str]:
     what = f"{len(items)} items, {patches} patches, tiny Qwen3-VL tower"
     for n, t in single.items():
         lines.append(
-            f"encode {what}: 1 rank x {n} thread(s) {t * 1e3:.1f} ms | "
+            f"encode {what}, best of {reps}: 1 rank x {n} thread(s) {t * 1e3:.1f} ms | "
             f"2 ranks gloo x 1 thread {sharded * 1e3:.1f} ms | {t / sharded:.2f}x"
         )
     return lines
@@ -178,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller timing batch, fewer repeats")
     ap.add_argument("--no-timing", action="store_true", help="only the balance table")
     args = ap.parse_args(argv)
-    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, load average {load}")
     for line in balance_table((2, 4, 8)):
         print(line)
     if not args.no_timing:

@@ -114,9 +114,9 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(world: int, tmp: Path) -> list[dict]:
+def _spawn(world: int, tmp: Path, worker=_worker) -> list[dict]:
     ctx = mp.start_processes(
-        _worker, args=(world, str(tmp)), nprocs=world, join=False, start_method="spawn"
+        worker, args=(world, str(tmp)), nprocs=world, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not ctx.join(timeout=1.0):
@@ -210,3 +210,34 @@ def test_without_a_process_group_it_is_a_plain_encode():
     got = encode_sharded(enc, items)
     _assert_equal(_flat(got), ref, 0.0)
     assert encode_sharded(enc, []) == []
+
+
+def _cuda_worker(rank: int, world: int, tmp: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{tmp}/pg", rank=rank, world_size=world)
+    calls: list = []
+    _install_gather_spy(calls)
+    res: dict = {}
+    try:
+        enc = VisionEncoder.random(config=TINY, seed=7, device=f"cuda:{rank}", dtype=torch.bfloat16)
+        # CPU float32 features (a pool fell back to host memory); one image, so rank 1 is empty.
+        outs = encode_sharded(enc, _items("one_image"))
+        res["out"] = [tuple(t.float().cpu() for t in (o.embeds, *o.deepstack)) for o in outs]
+        res["gathers"] = [(c["device"].type, c["dtype"]) for c in calls]
+    finally:
+        torch.save(res, f"{tmp}/rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL across ranks needs two GPUs")
+def test_nccl_empty_rank_with_cpu_features(tmp_path):
+    results = _spawn(2, tmp_path, _cuda_worker)
+    enc = VisionEncoder.random(config=TINY, seed=7, device="cuda:0", dtype=torch.bfloat16)
+    (ref,) = enc(_items("one_image"))
+    for res in results:
+        assert res["gathers"] == [("cuda", torch.bfloat16)]
+        (got,) = res["out"]
+        for g, r in zip(got, (ref.embeds, *ref.deepstack)):
+            # Same kernels on the same GPU model: equal up to bf16 rounding at most.
+            torch.testing.assert_close(g.bfloat16(), r.cpu())
