@@ -46,12 +46,12 @@ def describe(source: Any) -> str:
     return f"<file {name}>" if isinstance(name, str) else f"<{type(source).__name__}>"
 
 
-def read_source_bytes(source: Any) -> bytes | None:
+def read_source_bytes(source: Any, kind: str = "image") -> bytes | None:
     """The encoded bytes of a path / bytes / file-like source; None for decoded sources."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
-            raise ValueError(f"image file not found: {path}")
+            raise ValueError(f"{kind} file not found: {path}")
         return path.read_bytes()
     if isinstance(source, (bytes, bytearray, memoryview)):
         return bytes(source)

@@ -94,7 +94,7 @@ def process_video(
                 f"unsupported video source {name}; pass a path, bytes, a binary file, or frames "
                 "(PIL images, HWC arrays, a THWC uint8 array or a TCHW uint8 tensor)"
             )
-        data = read_source_bytes(source)
+        data = read_source_bytes(source, "video")
         assert data is not None
         info = probe_video(data, name)
         rate = float(source_fps) if source_fps is not None else info.fps
