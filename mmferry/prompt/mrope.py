@@ -122,5 +122,6 @@ def mrope_positions(
         base = torch.tensor([starts_pos[i] for i in members], dtype=torch.long)
         index = (first[:, None] + torch.arange(n)).reshape(-1)  # [k, n] -> [k*n]
         values = (base[None, :, None] + rel[:, None, :]).reshape(3, -1)  # [3, k, n] -> [3, k*n]
-        positions[:, index] = values
+        # index_copy_, not `positions[:, index] = ...`: advanced-index assignment is ~50x slower.
+        positions.index_copy_(1, index, values)
     return positions, delta

@@ -1,0 +1,183 @@
+"""mRoPE positions: mmferry's span-vectorised table vs transformers 5.24's `get_rope_index`.
+
+Both produce the same `[3, L]` positions and delta for a fixed prompt (checked before timing).
+transformers walks the ids (token-type grouping in Python, per-item tensor builds with `.item()`);
+mmferry starts from the spans prompt expansion already knows and does a few tensor ops per grid
+shape. Workloads (fixed): a Qwen3-VL prompt with a 1-hour video at 768 frames (384 temporal
+patches of 4x7 merged tokens) plus 4 images, and a Qwen2.5-VL prompt with 8 images of
+1044 tokens and a 3-patch video. Warm-up excluded; median of repeats.
+
+Needs transformers (the dev extra) for the baseline. Run: python -m bench.prompt [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from mmferry.config import preset
+from mmferry.items import MultimodalItem
+from mmferry.prompt.expand import expand_prompt
+from mmferry.prompt.mrope import VisionSpan, mrope_positions
+
+IMG, VID, VS, VE = 151655, 151656, 151652, 151653
+
+
+def _item(modality: str, grid: tuple[int, int, int], **kw) -> MultimodalItem:
+    t, h, w = grid
+    feature = torch.zeros(t * h * w, 1).expand(-1, 8)  # metadata only: no real rows needed
+    return MultimodalItem(modality, feature, grid, "hf", f"{modality}{grid}", **kw)
+
+
+class _Digits:
+    """Timestamp text as one id per character (the benchmark times positions, not tokenising)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def _workloads() -> list[tuple[str, str, list[int], list[MultimodalItem]]]:
+    frames = 384
+    video = _item("video", (frames, 8, 14), timestamps=tuple(0.5 + 2 * k for k in range(frames)))
+    images = [_item("image", g) for g in [(1, 58, 72), (1, 16, 16), (1, 50, 62), (1, 8, 8)]]
+    qwen3_ids = [1, 2, 3, VS, VID, VE, 4, 5] + sum(([6, VS, IMG, VE] for _ in images), []) + [7]
+    qwen25_images = [_item("image", (1, 58, 72)) for _ in range(8)]
+    qwen25_video = _item("video", (3, 28, 40), second_per_grid_t=1.0)
+    qwen25_ids = sum(([6, VS, IMG, VE] for _ in qwen25_images), []) + [VS, VID, VE, 7, 8]
+    return [
+        ("qwen3_vl", "qwen3-vl: 1h video (384x28 tokens) + 4 images", qwen3_ids, [video, *images]),
+        (
+            "qwen2_5_vl",
+            "qwen2.5-vl: 8 images x 1044 + video",
+            qwen25_ids,
+            [*qwen25_images, qwen25_video],
+        ),
+    ]
+
+
+def _hf_model(family: str):
+    text = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=152000,
+    )
+    if family == "qwen3_vl":
+        from transformers import Qwen3VLConfig
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+        vision = dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=16,
+            deepstack_visual_indexes=[0],
+            num_position_embeddings=16,
+        )
+        return Qwen3VLModel(Qwen3VLConfig(text_config=dict(text, head_dim=8), vision_config=vision))
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=16,
+        tokens_per_second=2,
+        fullatt_block_indexes=[0],
+    )
+    return Qwen2_5_VLModel(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up (caches, allocator)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _spans(out, items, family: str) -> list[VisionSpan]:
+    spans = []
+    for item, offsets in zip(items, out.offsets):
+        t, h, w = item.grid_thw
+        step = 2.0 if family == "qwen2_5_vl" and item.modality == "video" else 1.0
+        for start, _ in offsets:
+            frames = 1 if len(offsets) > 1 else t
+            spans.append(VisionSpan(start, frames, h // 2, w // 2, step))
+    return spans
+
+
+def _compare(
+    label: str, baseline: Callable[[], object], ours: Callable[[], object], n: int
+) -> None:
+    base_ms = _median_ms(baseline, n)
+    ours_ms = _median_ms(ours, n)
+    print(
+        f"{label}: baseline {base_ms:.2f} ms | mmferry {ours_ms:.2f} ms | {base_ms / ours_ms:.1f}x"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    args = parser.parse_args(argv)
+    repeats = 5 if args.quick else 30
+    print(
+        f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}"
+    )
+    for family, label, ids, items in _workloads():
+        cfg = preset({"qwen3_vl": "qwen3-vl", "qwen2_5_vl": "qwen2.5-vl"}[family])
+        tok = _Digits()
+        out = expand_prompt(ids, items, cfg, tokenizer=tok, mrope_advance="spatial")
+        model = _hf_model(family)
+        ids_t = torch.tensor([out.input_ids])
+        types = torch.zeros_like(ids_t, dtype=torch.int32)
+        types[ids_t == IMG] = 1
+        types[ids_t == VID] = 2
+        kwargs = dict(
+            image_grid_thw=torch.tensor([it.grid_thw for it in items if it.modality == "image"]),
+            video_grid_thw=torch.tensor([it.grid_thw for it in items if it.modality == "video"]),
+            attention_mask=torch.ones_like(ids_t),
+        )
+        if family == "qwen2_5_vl":
+            kwargs["second_per_grid_ts"] = torch.tensor([1.0])
+        baseline = partial(model.get_rope_index, ids_t, types, **kwargs)
+        spans = _spans(out, items, family)
+        positions_only = partial(mrope_positions, len(out.input_ids), spans, advance="spatial")
+        whole = partial(expand_prompt, ids, items, cfg, tokenizer=tok, mrope_advance="spatial")
+
+        pos, delta = baseline()
+        assert torch.equal(pos[:, 0], out.positions) and int(delta) == out.mrope_delta
+        assert torch.equal(positions_only()[0], out.positions)
+        head = f"{label}, L={len(out.input_ids)}"
+        _compare(
+            f"{head}, positions (get_rope_index vs mrope_positions)",
+            baseline,
+            positions_only,
+            repeats,
+        )
+        _compare(
+            f"{head}, get_rope_index vs whole expand_prompt (ids+offsets+positions)",
+            baseline,
+            whole,
+            repeats,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
