@@ -37,6 +37,7 @@ SCENARIOS: dict[str, list[tuple[int, int, int]]] = {
     "one_image": [(1, 8, 8)],
     "two_images": [(1, 8, 8), (1, 4, 8)],
     "video_and_images": [(1, 4, 4), (12, 8, 8), (1, 4, 8), (1, 8, 4)],
+    "compact_u8": [(6, 8, 8), (1, 4, 8)],
     "none": [],
 }
 SPAWN_TIMEOUT_S = 150
@@ -44,15 +45,24 @@ SPAWN_TIMEOUT_S = 150
 pytestmark = pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 
 
-def _items(name: str) -> list[MultimodalItem]:
+def _feature(name: str, t: int, h: int, w: int, g: torch.Generator) -> torch.Tensor:
+    if name == "compact_u8":
+        # Raw uint8 patches; images carry no temporal copy.
+        width = WIDTH if t > 1 else WIDTH // 2
+        return torch.randint(0, 256, (t * h * w, width), dtype=torch.uint8, generator=g)
     # Float32 features on the CPU, as after a device pool fell back to host memory.
+    return torch.randn(t * h * w, WIDTH, generator=g)
+
+
+def _items(name: str) -> list[MultimodalItem]:
     g = torch.Generator().manual_seed(len(name))
+    layout = "compact-u8" if name == "compact_u8" else "hf"
     return [
         MultimodalItem(
             "image" if t == 1 else "video",
-            torch.randn(t * h * w, WIDTH, generator=g),
+            _feature(name, t, h, w, g),
             (t, h, w),
-            "hf",
+            layout,
             f"{name}-{i}",
         )
         for i, (t, h, w) in enumerate(SCENARIOS[name])
@@ -160,12 +170,16 @@ def test_no_items_no_collective(ranks):
         assert res["none"] == [] and res["none/gathers"] == []
 
 
-def test_video_is_split_by_frames(ranks):
-    world, results = ranks
-    grids = SCENARIOS["video_and_images"]
-    plan = plan_for(_encoder(torch.float32), grids, world)
-    video_shards = [s for r in plan.shards for s in r if s.item == 1]
-    assert len(video_shards) > 1, "the workload should make the video split across ranks"
+@pytest.mark.parametrize(("name", "video"), [("video_and_images", 1), ("compact_u8", 0)])
+def test_video_is_split_by_frames(name, video):
+    for world in (2, 3):
+        plan = plan_for(_encoder(torch.float32), SCENARIOS[name], world)
+        video_shards = [s for r in plan.shards for s in r if s.item == video]
+        assert len(video_shards) > 1, "the workload should make the video split across ranks"
+
+
+def test_packed_variant(ranks):
+    _, results = ranks
     ref = _encoder(torch.float32)(_items("video_and_images"))
     for res in results:
         _assert_equal(res["packed"], ref, 1e-5)
