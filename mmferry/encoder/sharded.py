@@ -6,6 +6,11 @@ one collective per call moves all outputs: each rank packs its rows into a padde
 `[1 + num_deepstack, max_rows + 1, out_hidden]` buffer on the encoder's device in the encoder's
 dtype, and one all-gather fills every rank's copy. The extra row carries a status flag, so a rank
 whose encode raised still joins the collective and every rank fails instead of hanging.
+Reading those flags is the call's one device-to-host read (`world` values). Outputs are row
+views of the gathered buffer (a video split across ranks is concatenated once).
+
+Precondition: every rank passes the same grids in the same order (features may differ in where
+they live); the assignment is computed independently, and identically, on each rank.
 """
 
 from __future__ import annotations
