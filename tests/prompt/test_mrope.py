@@ -236,3 +236,16 @@ def test_property_qwen2_5_random_mixes(segments, tail, hf_rope):
     rows, delta = extent_rule(out.input_ids, blocks)
     assert out.positions.tolist() == rows
     assert out.mrope_delta == delta
+
+
+@pytest.mark.parametrize("grid, spgt", [((16, 2, 2), 2.1), ((26, 2, 4), 0.58), ((31, 4, 2), 1.05)])
+def test_qwen2_5_time_steps_round_as_transformers(grid, spgt, hf_rope):
+    """Cases where float64 arithmetic would truncate differently from transformers' float32."""
+    cfg = preset("qwen2.5-vl")
+    video = make_item("video", grid, second_per_grid_t=spgt)
+    out = expand_prompt([100, VS, VID, VE, 101], [video], cfg, mrope_advance="spatial")
+    want, want_delta = hf_rope("qwen2_5_vl")(
+        out.input_ids, video_grids=[grid], second_per_grid_ts=[spgt]
+    )
+    assert torch.equal(out.positions, want)
+    assert out.mrope_delta == want_delta
