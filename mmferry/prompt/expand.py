@@ -141,7 +141,7 @@ def expand_prompt(
     pieces.append(ids[cursor:])
     out_len += len(ids) - cursor
 
-    expanded = np.concatenate(pieces) if pieces else ids
+    expanded = np.concatenate(pieces)
     positions, delta = mrope_positions(out_len, spans, advance=mrope_advance)
     return ExpandedPrompt(
         input_ids=expanded.tolist(), offsets=offsets, positions=positions, mrope_delta=delta
