@@ -39,6 +39,10 @@ class Processor:
         return cls(load_model_config(root).processor.replace(**overrides), tokenizer)
 
     @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None
+
+    @property
     def tokenizer(self) -> TimestampTokenizer:
         from mmferry.prompt.tokenizer import load_tokenizer
 
