@@ -80,11 +80,13 @@ def patchify(
         return out.view(rows, c * group * patch * patch)
     if layout != "hf":
         raise ValueError(f"unknown layout {layout!r}; use 'hf' or 'compact-u8'")
-    # NOTE: one pass converts, permutes and (for images) broadcasts the T copies; the affine
-    # normalisation then runs in place over contiguous memory, where it vectorises.
+    # NOTE: one strided pass converts, permutes and (for images) broadcasts the T copies into
+    # the output; the affine normalisation (mean and std folded with the 1/255 rescale) then
+    # runs once in place over contiguous memory, where it vectorises. torch's mixed-dtype
+    # strided kernels are slower than these two passes together.
     out = empty_host((gt, a, b, merge, merge, c, temporal, patch, patch), torch.float32)
     out.copy_(src.expand(-1, -1, -1, -1, -1, -1, temporal, -1, -1))
     scale, shift = norm_affine(mean, std)
     per_c = out.view(rows, c, temporal * patch * patch)
-    per_c.mul_(scale.view(1, c, 1)).add_(shift.view(1, c, 1))
+    torch.addcmul(shift.view(1, c, 1), per_c, scale.view(1, c, 1), out=per_c)
     return out.view(rows, c * temporal * patch * patch)

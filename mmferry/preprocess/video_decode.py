@@ -42,7 +42,6 @@ def _open(av: Any, data: bytes, name: str) -> tuple[Any, Any]:
         container.close()
         raise ValueError(f"cannot decode video {name}: it has no video stream")
     stream = container.streams.video[0]
-    stream.thread_type = "AUTO"
     return container, stream
 
 
@@ -79,6 +78,7 @@ def decode_frames(
         wanted.setdefault(idx, []).append(slot)
     last = indices[-1]
     out: torch.Tensor | None = None
+    out_np: Any = None
     seen = 0
     with container:
         try:
@@ -89,14 +89,17 @@ def decode_frames(
                     if out is None:
                         check_size(frame.height, frame.width)
                         out = empty_host((len(indices), frame.height, frame.width, 3), torch.uint8)
+                        # Written through numpy: single-threaded copies beside the decoder's
+                        # threads, without waking torch's intra-op pool per frame.
+                        out_np = out.numpy()
                     elif (frame.height, frame.width) != tuple(out.shape[1:3]):
                         raise ValueError(
                             f"video {name} changes frame size mid-stream "
                             f"({tuple(out.shape[1:3])} -> {(frame.height, frame.width)})"
                         )
-                    rgb = torch.from_numpy(frame.to_ndarray(format="rgb24"))
+                    rgb = frame.to_ndarray(format="rgb24")
                     for s in slots:
-                        out[s].copy_(rgb)
+                        out_np[s] = rgb
                 if i >= last:
                     break
         except (av.FFmpegError, OSError) as e:
