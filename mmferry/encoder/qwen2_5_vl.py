@@ -76,8 +76,9 @@ class Qwen2VisionBlock(nn.Module):
         self.mlp = SwiGLU(cfg) if qwen2_5 else QuickGeluMLP(cfg)
 
     def forward(self, x, rope, batch, attend) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, batch, attend)
-        return x + self.mlp(self.norm2(x))
+        # NOTE: residual adds are in place; the tower owns x (inference only).
+        x.add_(self.attn(self.norm1(x), rope, batch, attend))
+        return x.add_(self.mlp(self.norm2(x)))
 
 
 class Qwen2PatchMerger(nn.Module):

@@ -18,10 +18,12 @@ from mmferry.encoder.attention import AttentionFn
 from mmferry.encoder.layers import PatchEmbed, VisionAttention, rope_tables
 from mmferry.encoder.metadata import TowerMetadata, build_metadata
 
+# In-place activations: the MLP's [N, intermediate] tensor is the largest of a layer, and not
+# allocating a second one saves a pass of fresh memory per block.
 _ACTS = {
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+    "gelu": lambda x: torch.ops.aten.gelu_(x),
+    "silu": lambda x: F.silu(x, inplace=True),
 }
 
 
@@ -47,8 +49,9 @@ class Qwen3VisionBlock(nn.Module):
         self.mlp = Qwen3VisionMLP(cfg)
 
     def forward(self, x, rope, batch, attend) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, batch, attend)
-        return x + self.mlp(self.norm2(x))
+        # NOTE: residual adds are in place; the tower owns x (inference only).
+        x.add_(self.attn(self.norm1(x), rope, batch, attend))
+        return x.add_(self.mlp(self.norm2(x)))
 
 
 class Qwen3PatchMerger(nn.Module):
@@ -113,7 +116,7 @@ class Qwen3VisionTower(nn.Module):
             per_sample_weights=meta.interp_weights.to(x.dtype),
             mode="sum",
         )
-        x = x + pos
+        x.add_(pos)  # x is the fresh patch-embedding output
         rope = rope_tables(meta.positions, meta.inv_freq)
         taps = {layer: i for i, layer in enumerate(self.cfg.deepstack_visual_indexes)}
         deepstack: list[torch.Tensor] = []
