@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import statistics
 import tempfile
 import time
 import warnings
@@ -93,13 +92,16 @@ def make_video(path: str, quick: bool) -> None:
             out.mux(pkt)
 
 
-def _time(fn: Callable[[], object], reps: int) -> float:
-    times = []
+def _best_of(fns: list[Callable[[], object]], reps: int) -> list[float]:
+    """Best wall time of each function over `reps` rounds, the functions interleaved per round
+    so that load from other processes hits all of them alike."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [min(ts) for ts in times]
 
 
 def _baseline_images(datas: list[bytes], proc) -> int:
@@ -176,15 +178,23 @@ def main(argv: list[str] | None = None) -> int:
         f"machine: {os.cpu_count()} CPUs, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), qwen3-vl settings"
     )
-    print(f"images: {n} JPEGs, {pixels / n / 1e6:.2f} MP on average, decoded from bytes")
+    print(
+        f"images: {n} JPEGs, {pixels / n / 1e6:.2f} MP on average, decoded from bytes; "
+        f"best of {reps} interleaved rounds"
+    )
     # Warm-up (excluded): one small image through each path.
     small = [datas[-1]]
     _baseline_images(small, proc)
     _ours_images(small, cfg, "hf")
     _ours_images(small, cfg, "compact-u8")
-    base_s = _time(lambda: _baseline_images(datas, proc), reps)
-    hf_s = _time(lambda: _ours_images(datas, cfg, "hf"), reps)
-    cu_s = _time(lambda: _ours_images(datas, cfg, "compact-u8"), reps)
+    base_s, hf_s, cu_s = _best_of(
+        [
+            lambda: _baseline_images(datas, proc),
+            lambda: _ours_images(datas, cfg, "hf"),
+            lambda: _ours_images(datas, cfg, "compact-u8"),
+        ],
+        reps,
+    )
     base_b = _baseline_images(datas[:1], proc)
     hf_b = _ours_images(datas[:1], cfg, "hf")
     cu_b = _ours_images(datas[:1], cfg, "compact-u8")
@@ -204,9 +214,15 @@ def main(argv: list[str] | None = None) -> int:
         make_video(path, args.quick)
         _baseline_video(path, cfg)
         process_video(path, cfg, layout="hf")
-        vb = _time(lambda: _baseline_video(path, cfg), reps)
-        for layout in ("hf", "compact-u8"):
-            vo = _time(lambda layout=layout: process_video(path, cfg, layout=layout), reps)
+        vb, *vos = _best_of(
+            [
+                lambda: _baseline_video(path, cfg),
+                lambda: process_video(path, cfg, layout="hf"),
+                lambda: process_video(path, cfg, layout="compact-u8"),
+            ],
+            reps * 3,
+        )
+        for layout, vo in zip(("hf", "compact-u8"), vos):
             item = process_video(path, cfg, layout=layout)
             print(
                 f"video {item.grid_thw} ({layout}): transformers pyav + unfused steps "

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 _EXIF_ORIENTATION = 0x0112
 
@@ -105,10 +105,35 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
+def _pack_rgb(im: Image.Image) -> np.ndarray | None:
+    """RGB pixels packed straight into a writable [H, W, 3] array, in one pass.
+
+    `np.asarray(im)` goes through `tobytes()`, which packs into 64 KiB chunks and then joins
+    them: two passes over the image. Here each chunk is copied out while still in cache.
+    Relies on Pillow's raw encoder interface; None (use the portable path) if it changes.
+    """
+    try:
+        out = np.empty((im.height, im.width, 3), np.uint8)
+        flat = memoryview(out).cast("B")
+        enc = Image._getencoder("RGB", "raw", "RGB")
+        enc.setimage(im.im, (0, 0, im.width, im.height))
+        pos, err = 0, 0
+        try:
+            while not err:
+                _, err, chunk = enc.encode(max(ImageFile.MAXBLOCK, im.width * 4))
+                flat[pos : pos + len(chunk)] = chunk
+                pos += len(chunk)
+        finally:
+            enc.cleanup()
+    except Exception:  # noqa: BLE001 - any change in Pillow's internals: fall back
+        return None
+    return out if err > 0 and pos == out.nbytes else None
+
+
 def _pil_to_chw(im: Image.Image) -> torch.Tensor:
-    hwc = np.asarray(im)  # [H, W, 3] uint8: one copy out of PIL's RGBX storage
-    if not hwc.flags.writeable:
-        hwc = hwc.copy()
+    hwc = _pack_rgb(im)
+    if hwc is None:
+        hwc = np.array(im)  # [H, W, 3] uint8, writable
     return torch.from_numpy(hwc).permute(2, 0, 1)  # [3, H, W] view
 
 

@@ -152,3 +152,16 @@ def test_memory_format_does_not_change_resize():
         cl.contiguous(), size=(224, 352), mode="bicubic", antialias=True
     )
     assert torch.equal(a, b)
+
+
+def test_pillow_fallback_path_agrees(monkeypatch, odd_images):
+    """The one-pass RGB packing and the portable np.array path give the same features."""
+    cfg = preset("qwen2-vl")
+    data = odd_images["rgb_jpeg_odd"]
+    fast = process_image(data, cfg, layout="compact-u8").feature
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("encoder interface changed")
+
+    monkeypatch.setattr(Image, "_getencoder", broken)
+    assert torch.equal(process_image(data, cfg, layout="compact-u8").feature, fast)
