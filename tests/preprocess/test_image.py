@@ -156,12 +156,20 @@ def test_memory_format_does_not_change_resize():
 
 def test_pillow_fallback_path_agrees(monkeypatch, odd_images):
     """The one-pass RGB packing and the portable np.array path give the same features."""
+    from mmferry.preprocess import decode
+
     cfg = preset("qwen2-vl")
     data = odd_images["rgb_jpeg_odd"]
     fast = process_image(data, cfg, layout="compact-u8").feature
+    im = Image.open(io.BytesIO(data))
+    im.load()
+    assert np.array_equal(decode._pack_rgb(im), np.asarray(im))
+    monkeypatch.setattr(decode, "_pack_rgb", lambda im: None)
+    assert torch.equal(process_image(data, cfg, layout="compact-u8").feature, fast)
+    monkeypatch.undo()
 
     def broken(*args, **kwargs):
         raise RuntimeError("encoder interface changed")
 
     monkeypatch.setattr(Image, "_getencoder", broken)
-    assert torch.equal(process_image(data, cfg, layout="compact-u8").feature, fast)
+    assert decode._pack_rgb(im) is None
