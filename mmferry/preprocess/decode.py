@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +27,8 @@ class DecodedImage:
 
     # [3, H, W] uint8; may be a strided view (e.g. of an HWC array), never copied needlessly.
     pixels: torch.Tensor
-    # Parts hashed (with the settings) to name the item; see hashing.py.
-    identity: tuple[bytes, ...]
+    # Parts hashed (with the settings) to name the item; see hashing.py. Buffers, not copies.
+    identity: tuple[bytes | memoryview, ...]
 
 
 def describe(source: Any) -> str:
@@ -67,10 +66,7 @@ def _open_checked(data: bytes, name: str, max_pixels: int) -> Image.Image:
     if not data:
         raise ValueError(f"cannot decode image {name}: it is empty")
     try:
-        with warnings.catch_warnings():
-            # Our own limit below replaces PIL's warning threshold.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data))
+        im = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:
         raise ValueError(f"image {name} is too large to decode safely: {e}") from None
     except (UnidentifiedImageError, OSError, SyntaxError) as e:
@@ -169,9 +165,10 @@ def _check_array(arr: np.ndarray | torch.Tensor, name: str, layout: str) -> None
         raise ValueError(f"image {name} is empty: shape {tuple(arr.shape)}")
 
 
-def _pixels_identity(pixels: torch.Tensor, kind: bytes) -> tuple[bytes, ...]:
+def pixels_identity(pixels: torch.Tensor, kind: bytes) -> tuple[bytes | memoryview, ...]:
+    """Hash parts for raw pixels: kind, shape and the bytes (a view when contiguous)."""
     shape = ",".join(str(s) for s in pixels.shape).encode()
-    return (kind, shape, pixels.contiguous().numpy().tobytes())
+    return (kind, shape, memoryview(pixels.contiguous().numpy()).cast("B"))
 
 
 def decode_image(source: Any, max_pixels: int) -> DecodedImage:
@@ -180,13 +177,13 @@ def decode_image(source: Any, max_pixels: int) -> DecodedImage:
     if isinstance(source, np.ndarray):
         _check_array(source, name, "HWC")
         t = torch.from_numpy(np.ascontiguousarray(source))
-        return DecodedImage(_array_to_chw(t, name), _pixels_identity(t, b"hwc-u8"))
+        return DecodedImage(_array_to_chw(t, name), pixels_identity(t, b"hwc-u8"))
     if isinstance(source, torch.Tensor):
         _check_array(source, name, "CHW")
         t = source.detach().cpu()
         if t.shape[0] not in (1, 3, 4) and t.shape[-1] in (1, 3, 4):
             raise ValueError(f"image {name} looks channels-last; tensors must be CHW")
-        return DecodedImage(_array_to_chw(t.permute(1, 2, 0), name), _pixels_identity(t, b"chw-u8"))
+        return DecodedImage(_array_to_chw(t.permute(1, 2, 0), name), pixels_identity(t, b"chw-u8"))
     if isinstance(source, Image.Image):
         if source.width * source.height > max_pixels:
             raise ValueError(f"image {name} exceeds max_decoded_pixels={max_pixels}")

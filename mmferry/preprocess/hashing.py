@@ -15,11 +15,14 @@ _DIGEST_BYTES = 16
 
 
 def item_hash(
-    modality: str, identity: Iterable[bytes], cfg: ProcessorConfig, extra: bytes = b""
+    modality: str,
+    identity: Iterable[bytes | memoryview],
+    cfg: ProcessorConfig,
+    extra: bytes = b"",
 ) -> str:
     """blake2b-128 hex digest over length-framed parts, so no two part lists collide."""
     h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
     for part in (modality.encode(), cfg.fingerprint(), extra, *identity):
-        h.update(len(part).to_bytes(8, "little"))
+        h.update(memoryview(part).nbytes.to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()

@@ -17,7 +17,7 @@ import torch
 
 from mmferry.config import ProcessorConfig
 from mmferry.items import Layout, MultimodalItem
-from mmferry.preprocess.decode import decode_image, describe, read_source_bytes
+from mmferry.preprocess.decode import decode_image, describe, pixels_identity, read_source_bytes
 from mmferry.preprocess.hashing import item_hash
 from mmferry.preprocess.image import check_layout
 from mmferry.preprocess.patchify import patchify, resize_u8
@@ -25,23 +25,27 @@ from mmferry.preprocess.sampling import frame_timestamps, sample_indices, video_
 from mmferry.preprocess.video_decode import decode_frames, probe_video
 
 
-def _frames_tensor(source: Any, name: str, max_pixels: int) -> tuple[torch.Tensor, list[bytes]]:
-    """A frame sequence -> ([T, 3, H, W] uint8, identity parts)."""
+def _frames(
+    source: Any, name: str, max_pixels: int
+) -> tuple[torch.Tensor | list[torch.Tensor], list[bytes | memoryview]]:
+    """A frame sequence -> ([T, 3, H, W] uint8 or T [3, H, W] frames, identity parts)."""
     if isinstance(source, (np.ndarray, torch.Tensor)):
         if source.ndim != 4 or source.dtype not in (np.uint8, torch.uint8):
             raise ValueError(
                 f"video {name} must be a THWC uint8 numpy array or a TCHW uint8 tensor"
             )
         if isinstance(source, np.ndarray):
-            t = torch.from_numpy(np.ascontiguousarray(source)).permute(0, 3, 1, 2)
+            thwc = torch.from_numpy(np.ascontiguousarray(source))
+            t, kind = thwc.permute(0, 3, 1, 2), b"frames-thwc-u8"
         else:
-            t = source.detach().cpu()
+            t = thwc = source.detach().cpu()
+            kind = b"frames-tchw-u8"
         if t.shape[1] != 3:
             raise ValueError(f"video {name} must have 3 (RGB) channels, got shape {tuple(t.shape)}")
         if min(t.shape) == 0:
             raise ValueError(f"video {name} has no frames or empty frames: {tuple(t.shape)}")
-        ident = [b"frames-u8", str(tuple(t.shape)).encode(), t.contiguous().numpy().tobytes()]
-        return t, ident
+        # Hash the frames in their given (contiguous) memory, not a permuted copy.
+        return t, list(pixels_identity(thwc, kind))
     frames = [decode_image(f, max_pixels) for f in source]
     if not frames:
         raise ValueError(f"video {name} has no frames")
@@ -49,7 +53,7 @@ def _frames_tensor(source: Any, name: str, max_pixels: int) -> tuple[torch.Tenso
     if len(shapes) != 1:
         raise ValueError(f"video {name} frames differ in size: {sorted(shapes)}")
     ident = [part for f in frames for part in f.identity]
-    return torch.stack([f.pixels for f in frames]), ident
+    return [f.pixels for f in frames], ident
 
 
 def _padded(indices: list[int], temporal: int) -> list[int]:
@@ -81,11 +85,16 @@ def process_video(
                 f"video {name} is a frame sequence; pass source_fps= (its frame rate) so "
                 "frames can be sampled and timestamped"
             )
-        all_frames, identity = _frames_tensor(source, name, cfg.max_decoded_pixels)
+        all_frames, identity = _frames(source, name, cfg.max_decoded_pixels)
         rate = float(source_fps)
-        total = all_frames.shape[0]
+        total = len(all_frames)
         indices = sample_indices(cfg, total, rate, fps=fps, num_frames=num_frames)
-        frames = all_frames[_padded(indices, cfg.temporal_patch_size)]  # [n + pad, 3, H, W]
+        slots = _padded(indices, cfg.temporal_patch_size)
+        # Only the sampled frames are gathered: [n + pad, 3, H, W]
+        if isinstance(all_frames, torch.Tensor):
+            frames = all_frames[slots]
+        else:
+            frames = torch.stack([all_frames[i] for i in slots])
     else:
         if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)) and not hasattr(
             source, "read"
@@ -94,8 +103,7 @@ def process_video(
                 f"unsupported video source {name}; pass a path, bytes, a binary file, or frames "
                 "(PIL images, HWC arrays, a THWC uint8 array or a TCHW uint8 tensor)"
             )
-        data = read_source_bytes(source, "video")
-        assert data is not None
+        data = read_source_bytes(source, "video") or b""
         info = probe_video(data, name)
         rate = float(source_fps) if source_fps is not None else info.fps
         total = info.total_frames

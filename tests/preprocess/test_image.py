@@ -173,3 +173,12 @@ def test_pillow_fallback_path_agrees(monkeypatch, odd_images):
 
     monkeypatch.setattr(Image, "_getencoder", broken)
     assert decode._pack_rgb(im) is None
+
+
+def test_pil_source_gets_exif_orientation(odd_images):
+    cfg = preset("qwen3-vl")
+    data = odd_images["exif_jpeg"]
+    from_bytes = process_image(data, cfg, layout="compact-u8")
+    from_pil = process_image(Image.open(io.BytesIO(data)), cfg, layout="compact-u8")
+    assert from_bytes.grid_thw == from_pil.grid_thw == (1, 14, 22)  # 200x120 shown rotated
+    assert torch.equal(from_bytes.feature, from_pil.feature)

@@ -169,3 +169,14 @@ def test_bundled_sample_video():
     item = process_video(sample_video(), preset("qwen3-vl"), layout="hf")
     assert item.grid_thw == (2, 8, 12)  # 24 frames at 12 fps -> 4 sampled; 144x192 -> 128x192
     assert len(item.timestamps) == 2
+
+
+def test_frame_array_hash_follows_content():
+    cfg = preset("qwen3-vl")
+    frames = ref.moving_frames(6, 32, 48, seed=3)
+    a = process_video(frames, cfg, layout="compact-u8", source_fps=6)
+    assert process_video(frames.copy(), cfg, layout="hf", source_fps=6).hash == a.hash
+    changed = frames.copy()
+    changed[5, 0, 0, 0] ^= 1  # one value in a frame that sampling keeps
+    assert process_video(changed, cfg, layout="compact-u8", source_fps=6).hash != a.hash
+    assert process_video(frames, cfg, layout="compact-u8", source_fps=3).hash != a.hash
