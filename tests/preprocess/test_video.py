@@ -13,6 +13,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.video_utils import VideoMetadata, read_video_pyav
@@ -146,7 +147,8 @@ def test_frame_sequences_match_file_frames(videos):
         str(videos[300]), sample_indices_fn=lambda metadata, **_: np.arange(300)
     )
     from_file = process_video(videos[300], cfg, layout="compact-u8")
-    for src in (frames, torch.from_numpy(frames).permute(0, 3, 1, 2), list(frames)):
+    pil_frames = [Image.fromarray(f) for f in frames]
+    for src in (frames, torch.from_numpy(frames).permute(0, 3, 1, 2), list(frames), pil_frames):
         got = process_video(src, cfg, layout="compact-u8", source_fps=meta.fps)
         assert torch.equal(got.feature, from_file.feature)
         assert got.timestamps == from_file.timestamps
