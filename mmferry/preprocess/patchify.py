@@ -74,18 +74,18 @@ def patchify(
     src = _patch_view(frames, group, patch, merge)
     gt, a, b = src.shape[0], src.shape[1], src.shape[2]
     rows = gt * a * b * merge * merge
-    if layout == "compact-u8":
-        out = empty_host((gt, a, b, merge, merge, c, group, patch, patch), torch.uint8)
-        out.copy_(src)
-        return out.view(rows, c * group * patch * patch)
-    if layout != "hf":
+    if layout not in ("hf", "compact-u8"):
         raise ValueError(f"unknown layout {layout!r}; use 'hf' or 'compact-u8'")
-    # NOTE: one strided pass converts, permutes and (for images) broadcasts the T copies into
-    # the output; the affine normalisation (mean and std folded with the 1/255 rescale) then
-    # runs once in place over contiguous memory, where it vectorises. torch's mixed-dtype
-    # strided kernels are slower than these two passes together.
-    out = empty_host((gt, a, b, merge, merge, c, temporal, patch, patch), torch.float32)
-    out.copy_(src.expand(-1, -1, -1, -1, -1, -1, temporal, -1, -1))
+    # The strided gather runs on uint8 (4x fewer bytes than float), into patch-row order.
+    compact = empty_host((gt, a, b, merge, merge, c, group, patch, patch), torch.uint8)
+    compact.copy_(src)
+    if layout == "compact-u8":
+        return compact.view(rows, c * group * patch * patch)
+    # NOTE: hf = one contiguous widening copy that also broadcasts an image's T copies, then the
+    # per-channel affine (mean and std folded with the 1/255 rescale) once, in place, where it
+    # vectorises. torch's mixed-dtype strided kernels are slower than these passes together.
+    out = empty_host((rows, c, temporal, patch * patch), torch.float32)
+    out.copy_(compact.view(rows, c, group, patch * patch).expand(rows, c, temporal, patch * patch))
     scale, shift = norm_affine(mean, std)
     per_c = out.view(rows, c, temporal * patch * patch)
     torch.addcmul(shift.view(1, c, 1), per_c, scale.view(1, c, 1), out=per_c)
