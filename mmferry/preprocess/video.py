@@ -67,6 +67,52 @@ def _is_frame_sequence(source: Any) -> bool:
     return isinstance(source, Sequence) and not isinstance(source, (str, bytes, bytearray))
 
 
+def _sampled_frames(
+    source: Any,
+    name: str,
+    cfg: ProcessorConfig,
+    fps: float | None,
+    num_frames: int | None,
+    source_fps: float | None,
+) -> tuple[torch.Tensor, list[int], int, float, list[bytes | memoryview]]:
+    """(sampled frames [n + pad, 3, H, W] uint8, indices, total frames, rate, identity)."""
+    if _is_frame_sequence(source):
+        if source_fps is None:
+            raise ValueError(
+                f"video {name} is a frame sequence; pass source_fps= (its frame rate) so "
+                "frames can be sampled and timestamped"
+            )
+        all_frames, identity = _frames(source, name, cfg.max_decoded_pixels)
+        rate, total = float(source_fps), len(all_frames)
+        indices = sample_indices(cfg, total, rate, fps=fps, num_frames=num_frames)
+        slots = _padded(indices, cfg.temporal_patch_size)
+        # Only the sampled frames are gathered.
+        if isinstance(all_frames, torch.Tensor):
+            return all_frames[slots], indices, total, rate, identity
+        return torch.stack([all_frames[i] for i in slots]), indices, total, rate, identity
+    if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)) and not hasattr(
+        source, "read"
+    ):
+        raise ValueError(
+            f"unsupported video source {name}; pass a path, bytes, a binary file, or frames "
+            "(PIL images, HWC arrays, a THWC uint8 array or a TCHW uint8 tensor)"
+        )
+    data = read_source_bytes(source, "video") or b""
+    info = probe_video(data, name)
+    rate = float(source_fps) if source_fps is not None else info.fps
+    indices = sample_indices(cfg, info.total_frames, rate, fps=fps, num_frames=num_frames)
+
+    def check_size(h: int, w: int) -> None:
+        if h * w > cfg.max_decoded_pixels:
+            raise ValueError(
+                f"video {name} frames of {h}x{w} exceed max_decoded_pixels={cfg.max_decoded_pixels}"
+            )
+
+    slots = _padded(indices, cfg.temporal_patch_size)
+    frames = decode_frames(data, name, slots, check_size).permute(0, 3, 1, 2)
+    return frames, indices, info.total_frames, rate, [b"encoded", data]
+
+
 def process_video(
     source: Any,
     cfg: ProcessorConfig,
@@ -79,47 +125,11 @@ def process_video(
     """Sample, resize and patchify one video (a file, bytes, or frames with `source_fps`)."""
     check_layout(layout)
     name = describe(source) if not isinstance(source, list) else f"<{len(source)} frames>"
-    if _is_frame_sequence(source):
-        if source_fps is None:
-            raise ValueError(
-                f"video {name} is a frame sequence; pass source_fps= (its frame rate) so "
-                "frames can be sampled and timestamped"
-            )
-        all_frames, identity = _frames(source, name, cfg.max_decoded_pixels)
-        rate = float(source_fps)
-        total = len(all_frames)
-        indices = sample_indices(cfg, total, rate, fps=fps, num_frames=num_frames)
-        slots = _padded(indices, cfg.temporal_patch_size)
-        # Only the sampled frames are gathered: [n + pad, 3, H, W]
-        if isinstance(all_frames, torch.Tensor):
-            frames = all_frames[slots]
-        else:
-            frames = torch.stack([all_frames[i] for i in slots])
-    else:
-        if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)) and not hasattr(
-            source, "read"
-        ):
-            raise ValueError(
-                f"unsupported video source {name}; pass a path, bytes, a binary file, or frames "
-                "(PIL images, HWC arrays, a THWC uint8 array or a TCHW uint8 tensor)"
-            )
-        data = read_source_bytes(source, "video") or b""
-        info = probe_video(data, name)
-        rate = float(source_fps) if source_fps is not None else info.fps
-        total = info.total_frames
-        indices = sample_indices(cfg, total, rate, fps=fps, num_frames=num_frames)
-
-        def check_size(h: int, w: int) -> None:
-            if h * w > cfg.max_decoded_pixels:
-                raise ValueError(
-                    f"video {name} frames of {h}x{w} exceed max_decoded_pixels="
-                    f"{cfg.max_decoded_pixels}"
-                )
-
-        slots = _padded(indices, cfg.temporal_patch_size)
-        frames = decode_frames(data, name, slots, check_size).permute(0, 3, 1, 2)
-        identity = [b"encoded", data]
+    frames, indices, total, rate, identity = _sampled_frames(
+        source, name, cfg, fps, num_frames, source_fps
+    )
     padded_n, _, height, width = frames.shape
+    # NOTE: sized by the sampled count before padding, as transformers sizes it.
     new_h, new_w = video_target_size(cfg, len(indices), height, width)
     resized = resize_u8(frames, new_h, new_w)  # [n + pad, 3, new_h, new_w]
     temporal = cfg.temporal_patch_size
