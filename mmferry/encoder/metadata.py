@@ -18,6 +18,9 @@ from mmferry.encoder.attention import VarlenBatch, varlen_batch
 
 Grid = tuple[int, int, int]
 
+# NOTE: the lru_cached helpers below return shared tensors; callers only read them and build
+# new tensors from them (repeat, cat, +), never write into them.
+
 
 @functools.lru_cache(maxsize=512)
 def frame_positions(h: int, w: int, merge: int) -> torch.Tensor:

@@ -292,6 +292,11 @@ class VisionEncoder:
                 f"{rows} patch rows of grid_thw"
             )
         kind = self._kind(layout, None, pixel_values.shape[1])
+        if (kind == "hf") != pixel_values.is_floating_point():
+            raise ValueError(
+                f"{layout} pixel_values must be {'floating point' if kind == 'hf' else 'uint8'}, "
+                f"got {pixel_values.dtype}"
+            )
         if kind == "u8-image" and any(t != 1 for t, _, _ in grids):
             raise ValueError("compact-u8 image rows need grid_t == 1 for every item")
         x = pixel_values.to(self.device, non_blocking=True)

@@ -117,6 +117,8 @@ def test_bad_inputs_are_refused():
         enc.forward_packed(torch.randn(10, 1536), [(1, 4, 6)])
     with pytest.raises(ValueError, match="layout"):
         enc.forward_packed(torch.randn(24, 1536), [(1, 4, 6)], layout="jpeg")
+    with pytest.raises(ValueError, match="uint8"):
+        enc.forward_packed(torch.randn(24, 768), [(1, 4, 6)], layout="compact-u8")
     with pytest.raises(ValueError, match="unknown model"):
         VisionEncoder.random("llava")
 
