@@ -18,10 +18,10 @@ from typing import Any, Protocol
 
 import torch
 
-from mmferry.transport.alloc import RangeAllocator
 from mmferry.transport.leases import LeaseTable, table_bytes
 from mmferry.transport.segment import Segment
 from mmferry.transport.shm import ShmArena, ShmHandle, _dtype_from_name, open_shared
+from mmferry.transport.slots import SlotBook
 
 
 class Backing(Protocol):
@@ -112,40 +112,37 @@ class FeaturePool:
     ) -> None:
         self.backing = backing
         self._store = backing.store()
-        self._alloc = RangeAllocator(backing.capacity)
         self._control = Segment.create(table_bytes(max_slots, max_readers))
-        self._table = LeaseTable(
+        table = LeaseTable(
             memoryview(self._control.mm), create=True, max_slots=max_slots, max_readers=max_readers
         )
+        self._book = SlotBook(backing.capacity, table)
         self._own_fallback = fallback is None
         self.fallback = fallback or ShmArena(max(2 * backing.capacity, 64 << 20), on_full="inline")
-        self._free_slots = list(range(max_slots - 1, -1, -1))
-        self._live: dict[int, tuple[int, int]] = {}  # slot -> (gen, offset)
-        self._gen = 0
         self._warned = False
         self.stats = PoolStats()
 
     @property
     def used_bytes(self) -> int:
-        return self._alloc.used_bytes
+        return self._book.alloc.used_bytes
 
     @property
     def live_slots(self) -> int:
-        return len(self._live)
+        return self._book.live_slots
 
     def put(self, tensor: torch.Tensor, *, readers: int = 1) -> PoolHandle | ShmHandle:
         """Place `tensor` in the pool for `readers` consumers, or send it through shared memory."""
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"put expects a torch.Tensor, got {type(tensor).__name__}")
-        if not 1 <= readers <= self._table.max_readers:
-            raise ValueError(f"readers must be in 1..{self._table.max_readers}, got {readers}")
+        max_readers = self._book.table.max_readers
+        if not 1 <= readers <= max_readers:
+            raise ValueError(f"readers must be in 1..{max_readers}, got {readers}")
         self.stats.puts += 1
         nbytes = tensor.numel() * tensor.element_size()
-        offset = self._try_alloc(nbytes) if nbytes else None
-        if offset is None:
+        placed = self._place(nbytes) if nbytes else None
+        if placed is None:
             return self._fall_back(tensor, readers)
-        slot = self._free_slots.pop()
-        self._gen += 1
+        slot, offset = placed
         dst = self._store[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
         ready = None
         if dst.is_cuda:
@@ -155,8 +152,7 @@ class FeaturePool:
             ready = event.ipc_handle()  # consumers wait on this on their stream, not the host
         else:
             dst.copy_(tensor.detach())
-        self._table.grant(slot, self._gen, readers)
-        self._live[slot] = (self._gen, offset)
+        gen = self._book.grant(slot, offset, readers)
         return PoolHandle(
             store=self.backing.export(),
             control=self._control.name,
@@ -165,20 +161,16 @@ class FeaturePool:
             shape=tuple(tensor.shape),
             dtype=str(tensor.dtype),
             slot=slot,
-            gen=self._gen,
+            gen=gen,
             readers=readers,
             ready=ready,
         )
 
-    def _try_alloc(self, nbytes: int) -> int | None:
-        for _ in range(2):
-            if self._free_slots:
-                offset = self._alloc.alloc(nbytes)
-                if offset is not None:
-                    return offset
-            if not self.reclaim():
-                return None
-        return None
+    def _place(self, nbytes: int) -> tuple[int, int] | None:
+        placed = self._book.take(nbytes)
+        if placed is None and self.reclaim():
+            placed = self._book.take(nbytes)
+        return placed
 
     def _fall_back(self, tensor: torch.Tensor, readers: int) -> ShmHandle:
         self.stats.fallbacks += 1
@@ -195,13 +187,7 @@ class FeaturePool:
 
     def reclaim(self) -> int:
         """Free slices whose readers all acknowledged, died, or were cancelled; the count."""
-        freed = 0
-        for slot, (gen, offset) in list(self._live.items()):
-            if self._table.reclaimable(slot, gen):
-                del self._live[slot]
-                self._alloc.free(offset)
-                self._free_slots.append(slot)
-                freed += 1
+        freed = self._book.reclaim()
         self.stats.freed += freed
         return freed
 
@@ -209,8 +195,7 @@ class FeaturePool:
         """The request was dropped: readers that never opened the feature release it."""
         if isinstance(handle, ShmHandle):
             self.fallback.cancel(handle)
-        elif self._live.get(handle.slot, (None,))[0] == handle.gen:
-            self._table.cancel(handle.slot, handle.gen)
+        elif self._book.cancel(handle.slot, handle.gen):
             self.reclaim()
 
     def close(self) -> None:

@@ -19,9 +19,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from mmferry.transport.alloc import RangeAllocator
 from mmferry.transport.leases import LeaseTable, table_bytes
 from mmferry.transport.segment import Segment
+from mmferry.transport.slots import SlotBook
 
 OnFull = Literal["wait", "inline"]
 
@@ -87,17 +87,14 @@ class ShmArena:
             raise ValueError(f"on_full must be 'wait' or 'inline', got {on_full!r}")
         header = -(-table_bytes(max_slots, max_readers) // 4096) * 4096
         self._segment = Segment.create(header + capacity_bytes)
-        self._table = LeaseTable(
+        table = LeaseTable(
             memoryview(self._segment.mm)[:header],
             create=True,
             max_slots=max_slots,
             max_readers=max_readers,
         )
         self._data_offset = header
-        self._alloc = RangeAllocator(capacity_bytes)
-        self._free_slots = list(range(max_slots - 1, -1, -1))
-        self._live: dict[int, tuple[int, int]] = {}  # slot -> (gen, data offset)
-        self._gen = 0
+        self._book = SlotBook(capacity_bytes, table)
         self.on_full = on_full
         self.timeout_s = timeout_s
         self.stats = ArenaStats()
@@ -110,42 +107,40 @@ class ShmArena:
 
     @property
     def capacity_bytes(self) -> int:
-        return self._alloc.capacity
+        return self._book.alloc.capacity
 
     @property
     def used_bytes(self) -> int:
-        return self._alloc.used_bytes
+        return self._book.alloc.used_bytes
 
     @property
     def live_slots(self) -> int:
-        return len(self._live)
+        return self._book.live_slots
 
     def put(self, tensor: torch.Tensor, *, readers: int = 1) -> ShmHandle:
         """Copy `tensor` into a slot for `readers` consumers; inline when it cannot fit."""
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"put expects a torch.Tensor, got {type(tensor).__name__}")
-        if not 1 <= readers <= self._table.max_readers:
-            raise ValueError(f"readers must be in 1..{self._table.max_readers}, got {readers}")
+        max_readers = self._book.table.max_readers
+        if not 1 <= readers <= max_readers:
+            raise ValueError(f"readers must be in 1..{max_readers}, got {readers}")
         if not self._finalizer.alive:
             raise ValueError("arena is closed")
         nbytes = tensor.numel() * tensor.element_size()
         meta = {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "nbytes": nbytes}
         self.stats.puts += 1
-        if nbytes == 0 or not self._alloc.fits_ever(nbytes):
+        if nbytes == 0 or not self._book.alloc.fits_ever(nbytes):
             return self._inline(tensor, meta, readers)
         placed = self._place(nbytes)
         if placed is None:
             return self._inline(tensor, meta, readers)
         slot, offset = placed
-        self._gen += 1
-        gen = self._gen
         dst = torch.frombuffer(
             self._segment.mm, dtype=torch.uint8, count=nbytes, offset=self._data_offset + offset
         )
         # NOTE: the producer's only copy: source bytes straight into the slot.
         dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
-        self._table.grant(slot, gen, readers)
-        self._live[slot] = (gen, offset)
+        gen = self._book.grant(slot, offset, readers)
         return ShmHandle(
             segment=self.name,
             offset=self._data_offset + offset,
@@ -160,10 +155,9 @@ class ShmArena:
         delay = 0.0005
         start = time.monotonic()
         while True:
-            if self._free_slots:
-                offset = self._alloc.alloc(nbytes)
-                if offset is not None:
-                    return self._free_slots.pop(), offset
+            placed = self._book.take(nbytes)
+            if placed is not None:
+                return placed
             if self.reclaim():
                 continue
             if self.on_full == "inline":
@@ -194,20 +188,13 @@ class ShmArena:
 
     def reclaim(self) -> int:
         """Free every slot whose readers all released, died, or were cancelled; the count."""
-        freed = 0
-        for slot, (gen, offset) in list(self._live.items()):
-            if self._table.reclaimable(slot, gen):
-                del self._live[slot]
-                self._alloc.free(offset)
-                self._free_slots.append(slot)
-                freed += 1
+        freed = self._book.reclaim()
         self.stats.reclaimed += freed
         return freed
 
     def cancel(self, handle: ShmHandle) -> None:
         """Readers of `handle` that have not opened it never will (e.g. a dropped request)."""
-        if handle.inline is None and self._live.get(handle.slot, (None,))[0] == handle.gen:
-            self._table.cancel(handle.slot, handle.gen)
+        if handle.inline is None and self._book.cancel(handle.slot, handle.gen):
             self.reclaim()
 
     def close(self) -> None:
