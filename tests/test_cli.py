@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import os
+
+from mmferry.cli import main
+from mmferry.transport.segment import PREFIX
+
+
+def test_demo_runs_the_whole_path(capsys):
+    assert main(["demo", "--max-pixels", str(64 * 32 * 32)]) == 0
+    out = capsys.readouterr().out
+    for stage in ("preprocess", "prompt", "transport", "encode", "merge"):
+        assert f"\n{stage} " in "\n" + out, out
+    assert "RANDOM weights" in out
+    # Every image's tokens, and nothing else, land in the prompt (the video needs a tokenizer).
+    image_tokens = [
+        int(line.split("tokens")[0].split()[-1])
+        for line in out.splitlines()
+        if line.startswith("  image ")
+    ]
+    assert len(image_tokens) == 3
+    assert f"merge       {sum(image_tokens)} of " in out
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(PREFIX)]
+
+
+def test_bench_rejects_unknown_names(capsys):
+    assert main(["bench", "nope"]) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err
