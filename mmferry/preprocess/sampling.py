@@ -57,8 +57,9 @@ def sample_indices(
         n = math.floor(n / t) * t
     n = min(n, total)
     if n < 1:
-        # Shorter than one temporal patch: keep every frame (padded later).
-        n = total
+        # Fewer than one temporal patch asked for, or a clip shorter than one: keep one patch
+        # (or every frame of the short clip, padded later), never the whole long clip.
+        n = min(t, total)
     return torch.arange(0, total, total / n).int().tolist()
 
 

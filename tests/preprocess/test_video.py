@@ -108,6 +108,16 @@ def test_sampling_vs_transformers(total, src_fps):
         assert ours == list(range(total))
 
 
+@pytest.mark.parametrize("total", [2, 3, 300])
+def test_qwen2_num_frames_below_one_patch_keeps_one_patch(total):
+    # num_frames=1 rounds to 0 temporal patches (transformers then divides by zero); one patch
+    # of T frames is kept, as transformers samples for num_frames=T, never the whole clip.
+    cfg = preset("qwen2.5-vl")
+    meta = VideoMetadata(total_num_frames=total, fps=30.0)
+    want = Qwen2VLVideoProcessor().sample_frames(meta, num_frames=2).tolist()
+    assert sample_indices(cfg, total, 30.0, num_frames=1) == want
+
+
 def test_timestamps_worked_case():
     # E8: 15 frames at 30 fps -> indices [0, 5, 9, 14] -> timestamps 0.1 and 0.4 (rounded).
     ts = frame_timestamps([0, 5, 9, 14], 30.0, 2)
