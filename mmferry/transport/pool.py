@@ -143,15 +143,19 @@ class FeaturePool:
         if placed is None:
             return self._fall_back(tensor, readers)
         slot, offset = placed
-        dst = self._store[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
         ready = None
-        if dst.is_cuda:
-            dst.copy_(tensor.detach(), non_blocking=True)
-            event = torch.cuda.Event(interprocess=True)
-            event.record()
-            ready = event.ipc_handle()  # consumers wait on this on their stream, not the host
-        else:
-            dst.copy_(tensor.detach())
+        try:
+            dst = self._store[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            if dst.is_cuda:
+                dst.copy_(tensor.detach(), non_blocking=True)
+                event = torch.cuda.Event(interprocess=True)
+                event.record()
+                ready = event.ipc_handle()  # consumers wait on this on their stream, not the host
+            else:
+                dst.copy_(tensor.detach())
+        except BaseException:
+            self._book.untake(slot, offset)  # nobody holds a handle to it yet
+            raise
         gen = self._book.grant(slot, offset, readers)
         return PoolHandle(
             store=self.backing.export(),

@@ -135,11 +135,15 @@ class ShmArena:
         if placed is None:
             return self._inline(tensor, meta, readers)
         slot, offset = placed
-        dst = torch.frombuffer(
-            self._segment.mm, dtype=torch.uint8, count=nbytes, offset=self._data_offset + offset
-        )
-        # NOTE: the producer's only copy: source bytes straight into the slot.
-        dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+        try:
+            dst = torch.frombuffer(
+                self._segment.mm, dtype=torch.uint8, count=nbytes, offset=self._data_offset + offset
+            )
+            # NOTE: the producer's only copy: source bytes straight into the slot.
+            dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+        except BaseException:
+            self._book.untake(slot, offset)  # nobody holds a handle to it yet
+            raise
         gen = self._book.grant(slot, offset, readers)
         return ShmHandle(
             segment=self.name,

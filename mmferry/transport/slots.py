@@ -30,6 +30,11 @@ class SlotBook:
         offset = self.alloc.alloc(nbytes)
         return None if offset is None else (self._free_slots.pop(), offset)
 
+    def untake(self, slot: int, offset: int) -> None:
+        """Give back a range taken but never granted (its fill failed)."""
+        self.alloc.free(offset)
+        self._free_slots.append(slot)
+
     def grant(self, slot: int, offset: int, readers: int) -> int:
         """Publish a filled range to `readers` consumers; its generation."""
         self._gen += 1

@@ -140,3 +140,14 @@ def test_cuda_pool_ipc_roundtrip_and_fallback():
         with pytest.warns(RuntimeWarning):
             hb = pool.put(big)
         assert isinstance(hb, ShmHandle) and torch.equal(open_feature(hb), big.cpu())
+
+
+def test_failed_copy_gives_the_slice_back():
+    with FeaturePool(HostBacking(MiB)) as pool:
+        with pytest.raises(NotImplementedError):
+            pool.put(torch.empty(MiB // 4, device="meta"))
+        assert pool.used_bytes == 0 and pool.live_slots == 0
+        x = _feature(MiB)  # the whole pool: only fits if the failed put gave its slice back
+        h = pool.put(x)
+        assert isinstance(h, PoolHandle) and torch.equal(open_feature(h), x)
+        ack(h)

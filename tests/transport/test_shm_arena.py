@@ -145,3 +145,15 @@ def test_bad_input():
         ShmArena(1 << 16, on_full="drop")
     with pytest.raises(FileNotFoundError, match="gone"):
         open_shared(ShmHandle(shape=(1,), dtype="torch.float32", nbytes=4, segment="/mmferry-x"))
+
+
+def test_failed_copy_gives_the_slot_back():
+    # A put whose copy raises (here: a meta tensor has no data) must not keep its range.
+    with ShmArena(4096, timeout_s=0.2) as arena:
+        for _ in range(3):
+            with pytest.raises(NotImplementedError):
+                arena.put(torch.empty(1000, device="meta"))
+        assert arena.used_bytes == 0 and arena.live_slots == 0
+        x = torch.randn(1000)  # 4000 bytes: needs the whole arena
+        h = arena.put(x)
+        assert h.inline is None and torch.equal(open_shared(h), x)
