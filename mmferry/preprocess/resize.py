@@ -38,6 +38,12 @@ def smart_resize(
         beta = math.sqrt(min_pixels / (height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
+    if h_bar < 1 or w_bar < 1:
+        # Only reachable with min_pixels <= 0: a side under factor/2 rounds to 0 and passes.
+        raise ValueError(
+            f"a {height}x{width} image resizes to {h_bar}x{w_bar} with min_pixels={min_pixels}; "
+            f"set min_pixels to at least {factor * factor}"
+        )
     return h_bar, w_bar
 
 

@@ -140,3 +140,9 @@ def test_missing_pyav_message(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_av)
     with pytest.raises(ImportError, match=r"pip install 'mmferry\[video\]'"):
         process_video(io.BytesIO(b"\x00" * 10), CFG)
+
+
+def test_zero_min_pixels_tiny_image_is_a_value_error():
+    cfg = preset("qwen2-vl").replace(image_min_pixels=0)
+    with pytest.raises(ValueError, match="min_pixels"):
+        process_image(np.zeros((10, 10, 3), np.uint8), cfg)

@@ -157,3 +157,12 @@ def test_video_worked_cases():
         smart_resize_video(
             1, 64, 64, temporal_factor=2, factor=32, min_pixels=1, max_pixels=1 << 30
         )
+
+
+@pytest.mark.parametrize(("h", "w"), [(10, 10), (10, 500), (500, 10)])
+def test_zero_min_pixels_never_yields_an_empty_side(h, w):
+    # transformers returns a 0 side here (round(10 / 28) == 0 passes a 0-pixel floor), which
+    # then fails inside the resize kernel; mmferry says what to change instead.
+    assert 0 in hf_smart_resize(h, w, factor=28, min_pixels=0, max_pixels=1 << 30)
+    with pytest.raises(ValueError, match="min_pixels"):
+        smart_resize(h, w, factor=28, min_pixels=0, max_pixels=1 << 30)
