@@ -188,7 +188,17 @@ def decode_image(source: Any, max_pixels: int) -> DecodedImage:
         if source.width * source.height > max_pixels:
             raise ValueError(f"image {name} exceeds max_decoded_pixels={max_pixels}")
         palette = source.palette.tobytes() if source.mode == "P" and source.palette else b""
-        ident = (b"pil", source.mode.encode(), f"{source.size}".encode(), source.tobytes(), palette)
+        # NOTE: orientation and a transparency key change the upright RGB pixels, so they are
+        # part of the identity; the stored bytes alone are not.
+        shown = f"{source.getexif().get(_EXIF_ORIENTATION, 1)}|{source.info.get('transparency')!r}"
+        ident = (
+            b"pil",
+            source.mode.encode(),
+            f"{source.size}".encode(),
+            source.tobytes(),
+            palette,
+            shown.encode(),
+        )
         return DecodedImage(_pil_to_chw(_to_rgb(_upright(source))), ident)
     data = read_source_bytes(source)
     if data is None:

@@ -182,3 +182,19 @@ def test_pil_source_gets_exif_orientation(odd_images):
     from_pil = process_image(Image.open(io.BytesIO(data)), cfg, layout="compact-u8")
     assert from_bytes.grid_thw == from_pil.grid_thw == (1, 14, 22)  # 200x120 shown rotated
     assert torch.equal(from_bytes.feature, from_pil.feature)
+
+
+def test_pil_hash_covers_orientation_and_transparency():
+    # Same stored pixels, different upright pixels: the cache key must differ, or a cache hit
+    # (same token count: a 90-degree turn swaps h and w) would serve the other image's rows.
+    cfg = preset("qwen2-vl")
+    arr = np.random.default_rng(0).integers(0, 256, (64, 128, 3), dtype=np.uint8)
+    plain, turned = Image.fromarray(arr), Image.fromarray(arr)
+    turned.getexif()[0x0112] = 6  # EXIF orientation: rotate 90 degrees
+    a, b = process_image(plain, cfg), process_image(turned, cfg)
+    assert a.grid_thw == (1, 4, 10) and b.grid_thw == (1, 10, 4)  # pixels really differ
+    assert a.num_tokens == b.num_tokens and a.hash != b.hash
+    gray, keyed = Image.fromarray(arr[..., 0]), Image.fromarray(arr[..., 0])
+    keyed.info["transparency"] = int(arr[0, 0, 0])  # that grey level is shown as white
+    c, d = process_image(gray, cfg), process_image(keyed, cfg)
+    assert not torch.equal(c.feature, d.feature) and c.hash != d.hash
