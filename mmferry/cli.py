@@ -1,4 +1,4 @@
-"""Command line: `mmferry demo | encode | bench`."""
+"""Command line: `mmferry demo | bench`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import os
+import re
+
+import pytest
 
 from mmferry.cli import main
 from mmferry.transport.segment import PREFIX
@@ -26,3 +29,14 @@ def test_demo_runs_the_whole_path(capsys):
 def test_bench_rejects_unknown_names(capsys):
     assert main(["bench", "nope"]) == 2
     assert "unknown benchmark 'nope'" in capsys.readouterr().err
+
+
+def test_help_names_only_real_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    described = re.search(r"`mmferry ([^`]*)`", out).group(1).split(" | ")
+    for cmd in described:  # every command the description promises parses
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0, cmd
