@@ -120,5 +120,8 @@ def prepare_encoder_inputs(
     if caps.moves_own_inputs:
         # NOTE: the encoder materialises these itself; moving them here would copy twice.
         return EncoderInputs(tuple(feats), grid_thw, layout, moved=False)
-    packed = materialize_features(feats, device=caps.device, dtype=caps.dtype)
+    # NOTE: compact-u8 stays uint8 across the move (a quarter of float32's bytes); encoders
+    # that accept it fold normalisation into their weights, so casting here would be wasted.
+    dtype = torch.uint8 if layout == "compact-u8" else caps.dtype
+    packed = materialize_features(feats, device=caps.device, dtype=dtype)
     return EncoderInputs(packed, grid_thw, layout, moved=True)

@@ -102,7 +102,9 @@ def test_defaults_for_undeclared_encoder():
 def test_compact_u8_accepted_only_when_declared():
     u8 = [torch.randint(0, 256, (4, 3), dtype=torch.uint8)]
     out = prepare_encoder_inputs(MetaEncoder(), u8, grids=[(1, 2, 2)])
-    assert out.layout == "compact-u8" and out.features.dtype == torch.bfloat16
+    # Moved to the encoder's device but kept uint8: the encoder normalises (folded weights).
+    assert out.layout == "compact-u8" and out.features.dtype == torch.uint8
+    assert out.moved and out.features.device.type == "meta"
     with pytest.raises(ValueError, match="accepts layouts"):
         prepare_encoder_inputs(Undeclared(), u8, grids=[(1, 2, 2)])
 
