@@ -11,6 +11,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 # model_type in config.json -> the family whose preprocessing, prompt and tower rules apply.
@@ -220,14 +221,16 @@ _QWEN3 = ProcessorConfig(
 )
 
 # The public checkpoints' preprocessor defaults, by the names users type.
-PRESETS: dict[str, ProcessorConfig] = {
-    "qwen2-vl": _QWEN2,
-    "qwen2.5-vl": _QWEN2.replace(family="qwen2_5_vl"),
-    "qwen3-vl": _QWEN3,
-    "qwen3-vl-moe": _QWEN3,
-    "qwen3.5": _QWEN3.replace(tokens=QWEN3_5_TOKENS),
-    "qwen3.5-moe": _QWEN3.replace(tokens=QWEN3_5_TOKENS),
-}
+PRESETS: MappingProxyType[str, ProcessorConfig] = MappingProxyType(
+    {
+        "qwen2-vl": _QWEN2,
+        "qwen2.5-vl": _QWEN2.replace(family="qwen2_5_vl"),
+        "qwen3-vl": _QWEN3,
+        "qwen3-vl-moe": _QWEN3,
+        "qwen3.5": _QWEN3.replace(tokens=QWEN3_5_TOKENS),
+        "qwen3.5-moe": _QWEN3.replace(tokens=QWEN3_5_TOKENS),
+    }
+)
 
 
 def preset(name: str) -> ProcessorConfig:
