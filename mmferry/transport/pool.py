@@ -132,11 +132,7 @@ class FeaturePool:
 
     def put(self, tensor: torch.Tensor, *, readers: int = 1) -> PoolHandle | ShmHandle:
         """Place `tensor` in the pool for `readers` consumers, or send it through shared memory."""
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"put expects a torch.Tensor, got {type(tensor).__name__}")
-        max_readers = self._book.table.max_readers
-        if not 1 <= readers <= max_readers:
-            raise ValueError(f"readers must be in 1..{max_readers}, got {readers}")
+        self._book.check_put(tensor, readers)
         self.stats.puts += 1
         nbytes = tensor.numel() * tensor.element_size()
         placed = self._place(nbytes) if nbytes else None

@@ -119,11 +119,7 @@ class ShmArena:
 
     def put(self, tensor: torch.Tensor, *, readers: int = 1) -> ShmHandle:
         """Copy `tensor` into a slot for `readers` consumers; inline when it cannot fit."""
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"put expects a torch.Tensor, got {type(tensor).__name__}")
-        max_readers = self._book.table.max_readers
-        if not 1 <= readers <= max_readers:
-            raise ValueError(f"readers must be in 1..{max_readers}, got {readers}")
+        self._book.check_put(tensor, readers)
         if not self._finalizer.alive:
             raise ValueError("arena is closed")
         nbytes = tensor.numel() * tensor.element_size()

@@ -7,6 +7,8 @@ only when the table says every reader released, died, or was cancelled.
 
 from __future__ import annotations
 
+import torch
+
 from mmferry.transport.alloc import RangeAllocator
 from mmferry.transport.leases import LeaseTable
 
@@ -22,6 +24,13 @@ class SlotBook:
     @property
     def live_slots(self) -> int:
         return len(self._live)
+
+    def check_put(self, tensor: object, readers: int) -> None:
+        """The arguments of a put: a tensor, and a reader count the lease table can record."""
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"put expects a torch.Tensor, got {type(tensor).__name__}")
+        if not 1 <= readers <= self.table.max_readers:
+            raise ValueError(f"readers must be in 1..{self.table.max_readers}, got {readers}")
 
     def take(self, nbytes: int) -> tuple[int, int] | None:
         """(slot, offset) of a free range of `nbytes`, or None when there is no room now."""
