@@ -60,7 +60,3 @@ class RangeAllocator:
     @property
     def used_bytes(self) -> int:
         return sum(self._used.values())
-
-    @property
-    def live_ranges(self) -> int:
-        return len(self._used)
