@@ -79,3 +79,73 @@ def test_capacity_is_a_bound():
     assert len(cache) == 2 and cache.get("a", 4) is None  # least recently used went first
     assert not cache.put("big", VisionOutput(torch.zeros(64, 16), ()))
     assert cache.used_bytes == 512
+
+
+def _held_bytes(cache: EncoderCache) -> int:
+    """Bytes of every distinct storage the cache keeps alive."""
+    storages = {}
+    for out in cache._entries.values():
+        for t in (out.embeds, *out.deepstack):
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+def test_row_views_of_a_batch_do_not_keep_the_batch_alive():
+    # Encoder outputs are row views of one batch tensor: 4 entries of 2 KiB over 100 KiB.
+    batch = torch.randn(1600, 16)
+    cache = EncoderCache(16 << 10)
+    for i in range(4):
+        rows = batch[32 * i : 32 * (i + 1)]
+        assert cache.put(str(i), VisionOutput(rows, ()))
+    del batch, rows
+    assert cache.used_bytes == 4 * 32 * 16 * 4
+    assert _held_bytes(cache) == cache.used_bytes <= cache.capacity_bytes
+
+
+def test_one_cached_image_does_not_keep_its_encoder_batch_alive(enc):
+    items = [_image(10 + i, 8, 8) for i in range(6)]
+    out = enc(items)[0]  # a row view of the whole batch's output
+    cache = EncoderCache(1 << 20)
+    cache.put("one", out)
+    del out
+    own = items[0].num_tokens * 16 * 4 * 2  # embeds plus one deepstack level, float32
+    assert cache.used_bytes == own == _held_bytes(cache)
+
+
+def test_counters_count_hits_misses_evictions_and_mismatches():
+    cache = EncoderCache(600)
+    one = VisionOutput(torch.zeros(4, 16), ())  # 256 bytes
+    assert cache.get("a", 4) is None and cache.misses == 1
+    cache.put("a", one)
+    cache.put("b", one)
+    assert cache.get("a", 4) is not None and cache.hits == 1
+    cache.put("c", one)  # evicts "b", the least recently used
+    assert cache.evictions == 1 and cache.get("b", 4) is None
+    assert cache.get("a", 5) is None
+    assert cache.length_mismatches == 1 and cache.misses == 3
+    stats = cache.stats()
+    assert stats == {
+        "hits": 1,
+        "misses": 3,
+        "evictions": 1,
+        "length_mismatches": 1,
+        "entries": 1,
+        "used_bytes": 256,
+        "capacity_bytes": 600,
+    }
+
+
+def test_same_image_in_both_layouts_is_one_entry(enc):
+    u8 = _image(7)
+    hf = MultimodalItem(
+        "image",
+        (u8.feature.float() / 255).repeat(1, 2),  # any hf-shaped rows; the hash names the source
+        u8.grid_thw,
+        "hf",
+        u8.hash,
+    )
+    cache = EncoderCache(1 << 20)
+    encode, calls = _counting(enc)
+    encode_with_cache(encode, [u8, hf], cache)
+    assert calls == [1] and len(cache) == 1

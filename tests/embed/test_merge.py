@@ -86,3 +86,31 @@ def test_merge_runs_on_meta_without_sync():
     ]
     got = merge_vision_embeddings(torch.empty(L, H, device="meta"), OFFSETS, outs)
     assert got.inputs_embeds.device.type == "meta" and len(got.deepstack) == 2
+
+
+@pytest.mark.parametrize(
+    "offsets, match",
+    [
+        ([[(3, 7)], [(18, 22)]], "outside the prompt"),  # runs past the 20 tokens
+        ([[(3, 7)], [(30, 34)]], "outside the prompt"),  # wholly past: used to vanish
+        ([[(-2, 2)], [(10, 12), (14, 16)]], "outside the prompt"),  # negative: partial write
+        ([[(3, 7)], [(5, 7), (14, 16)]], "overlap"),  # overwrites item 0
+        ([[(7, 3)], [(10, 12), (14, 16)]], "empty or reversed"),
+    ],
+)
+def test_bad_spans_are_errors(offsets, match):
+    outs = [
+        VisionOutput(torch.zeros(sum(b - a for a, b in s), H), (torch.zeros(4, H),))
+        for s in offsets
+    ]
+    with pytest.raises(ValueError, match=match):
+        merge_vision_embeddings(torch.zeros(L, H), offsets, outs)
+
+
+def test_chunk_spans_are_checked_against_the_prompt_length():
+    outs = _outputs(1)
+    # A later chunk's items are fine while chunking...
+    merge_vision_embeddings(torch.zeros(5, H), OFFSETS, outs, chunk_start=0)
+    # ...but not when they run past the whole prompt.
+    with pytest.raises(ValueError, match="outside the prompt"):
+        merge_vision_embeddings(torch.zeros(5, H), OFFSETS, outs, chunk_start=0, prompt_len=15)
