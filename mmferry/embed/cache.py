@@ -1,4 +1,9 @@
-"""Encoder output cache keyed by item hash, bounded in bytes, verified by length on every hit."""
+"""Encoder output cache keyed by item hash, bounded in bytes, verified by length on every hit.
+
+The encoder returns each item's rows as views of one batch tensor, so a cached view would keep
+the whole batch alive. Entries therefore own their rows (copied on insert when they are a view
+of something larger), and `used_bytes` counts the storages the cache really holds.
+"""
 
 from __future__ import annotations
 
@@ -6,36 +11,62 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
+from mmferry.encoder.model import VisionOutput
+
 if TYPE_CHECKING:
-    from mmferry.encoder.model import VisionOutput
     from mmferry.items import MultimodalItem
 
 
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when it is its storage's only content, else a compact copy of its rows."""
+    own = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() == own and t.is_contiguous():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _nbytes(out: VisionOutput) -> int:
-    return sum(t.numel() * t.element_size() for t in (out.embeds, *out.deepstack))
+    return sum(t.untyped_storage().nbytes() for t in (out.embeds, *out.deepstack))
 
 
 class EncoderCache:
-    """LRU of `VisionOutput`s by item hash, holding at most `capacity_bytes`."""
+    """LRU of `VisionOutput`s by item hash, holding at most `capacity_bytes` of storage."""
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
-        self.hits = self.misses = self.length_mismatches = 0
+        self.hits = self.misses = self.evictions = self.length_mismatches = 0
         self._entries: OrderedDict[str, VisionOutput] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def stats(self) -> dict[str, int]:
+        """Counters and occupancy, for an engine's metrics."""
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "length_mismatches": self.length_mismatches,
+            "entries": len(self._entries),
+            "used_bytes": self.used_bytes,
+            "capacity_bytes": self.capacity_bytes,
+        }
+
     def get(self, key: str, num_tokens: int) -> VisionOutput | None:
         """The cached output for `key` if it has exactly `num_tokens` rows, else None."""
         out = self._entries.get(key)
         if out is not None and out.embeds.shape[0] != num_tokens:
-            # NOTE: never trim: a wrong-length entry is evicted and the item re-encoded.
+            # NOTE: never trim: a wrong-length entry is dropped and the item re-encoded.
             self.length_mismatches += 1
-            self._evict(key)
+            self._drop(key)
             out = None
         if out is None:
             self.misses += 1
@@ -45,19 +76,25 @@ class EncoderCache:
         return out
 
     def put(self, key: str, out: VisionOutput) -> bool:
-        """Insert; False when the entry alone is larger than the whole cache."""
-        size = _nbytes(out)
-        if size > self.capacity_bytes:
+        """Insert (owning the rows); False when the entry alone is larger than the whole cache."""
+        own = sum(t.numel() * t.element_size() for t in (out.embeds, *out.deepstack))
+        if own > self.capacity_bytes:
             return False
         if key in self._entries:
-            self._evict(key)
-        while self.used_bytes + size > self.capacity_bytes:
-            self._evict(next(iter(self._entries)))
-        self._entries[key] = out
-        self.used_bytes += size
+            self._drop(key)
+        while self._entries and self.used_bytes + own > self.capacity_bytes:
+            self._drop(next(iter(self._entries)))
+            self.evictions += 1
+        entry = VisionOutput(_owned(out.embeds), tuple(_owned(d) for d in out.deepstack))
+        self._entries[key] = entry
+        self.used_bytes += _nbytes(entry)
         return True
 
-    def _evict(self, key: str) -> None:
+    def peek(self, key: str) -> VisionOutput | None:
+        """The entry for `key` without touching counters or recency."""
+        return self._entries.get(key)
+
+    def _drop(self, key: str) -> None:
         self.used_bytes -= _nbytes(self._entries.pop(key))
 
 
@@ -79,6 +116,6 @@ def encode_with_cache(
             found[it.hash] = hit
     if misses:
         for key, out in zip(misses, encode(list(misses.values()))):
-            found[key] = out
-            cache.put(key, out)
+            # Hand back the cache's own copy when it kept one, so later hits are the same rows.
+            found[key] = cache.peek(key) if cache.put(key, out) else out
     return [found[it.hash] for it in items]

@@ -57,14 +57,36 @@ def _plan(offsets: Sequence[Spans], chunk_start: int, chunk_len: int) -> list[_P
     return pieces
 
 
+def check_spans(offsets: Sequence[Spans], prompt_len: int | None) -> None:
+    """Raise unless every span is non-empty, inside `[0, prompt_len)` and apart from the others."""
+    flat = []
+    for i, spans in enumerate(offsets):
+        for a, b in spans:
+            if b <= a:
+                raise ValueError(f"item {i}: span [{a}, {b}) is empty or reversed")
+            if a < 0 or (prompt_len is not None and b > prompt_len):
+                where = "" if prompt_len is None else f" of {prompt_len} tokens"
+                raise ValueError(f"item {i}: span [{a}, {b}) lies outside the prompt{where}")
+            flat.append((a, b, i))
+    flat.sort()
+    for (_, b0, i0), (a1, b1, i1) in zip(flat, flat[1:]):
+        if a1 < b0:
+            raise ValueError(f"item {i1}: span [{a1}, {b1}) overlaps a span of item {i0}")
+
+
 def merge_vision_embeddings(
     inputs_embeds: torch.Tensor,
     offsets: Sequence[Spans],
     outputs: Sequence[VisionOutput],
     *,
-    chunk_start: int = 0,
+    chunk_start: int | None = None,
+    prompt_len: int | None = None,
 ) -> MergedEmbeddings:
-    """Write each item's embeddings over its placeholder spans of this prefill chunk."""
+    """Write each item's embeddings over its placeholder spans of this prefill chunk.
+
+    Without `chunk_start`, `inputs_embeds` is the whole prompt. With it, it is one chunk, and
+    spans are checked against `prompt_len` when given.
+    """
     if inputs_embeds.dim() != 2:
         raise ValueError(
             f"inputs_embeds must be [tokens, hidden], got {tuple(inputs_embeds.shape)}"
@@ -72,6 +94,13 @@ def merge_vision_embeddings(
     if len(offsets) != len(outputs):
         raise ValueError(f"{len(offsets)} items in the prompt but {len(outputs)} vision outputs")
     length, hidden = inputs_embeds.shape
+    if chunk_start is None:
+        chunk_start, prompt_len = 0, length
+    if chunk_start < 0:
+        raise ValueError(f"chunk_start must be >= 0, got {chunk_start}")
+    # NOTE: a span outside the prompt would vanish, a negative one write partially and
+    # overlapping ones overwrite each other: all are errors, never silent.
+    check_spans(offsets, prompt_len)
     levels = {len(o.deepstack) for o in outputs}
     if len(levels) > 1:
         raise ValueError(f"vision outputs disagree on the number of deepstack levels: {levels}")
