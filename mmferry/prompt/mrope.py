@@ -125,3 +125,33 @@ def mrope_positions(
         # index_copy_, not `positions[:, index] = ...`: advanced-index assignment is ~50x slower.
         positions.index_copy_(1, index, values)
     return positions, delta
+
+
+def decode_positions(
+    token_index: Sequence[int] | torch.Tensor,
+    mrope_delta: Sequence[int] | torch.Tensor,
+    *,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """`[3, B]` positions of the tokens at `token_index` (prompt length + k) past their prompts.
+
+    Every token after the prompt is text: its position is `index + mrope_delta` on all three
+    axes. Tensors stay on their device (no sync); Python ints are built on the host and sent once.
+    """
+    if not torch.is_tensor(token_index):
+        token_index = torch.as_tensor(token_index, dtype=torch.long)
+    if not torch.is_tensor(mrope_delta):
+        mrope_delta = torch.as_tensor(mrope_delta, dtype=torch.long)
+    if token_index.dim() != 1 or mrope_delta.shape != token_index.shape:
+        raise ValueError(
+            f"token_index and mrope_delta must be two 1-D sequences of the same length, got "
+            f"{tuple(token_index.shape)} and {tuple(mrope_delta.shape)}"
+        )
+    pos = token_index.long() + mrope_delta.to(token_index.device).long()
+    if device is not None:
+        # Host ints -> device once; pinned so the copy can overlap.
+        dev = torch.device(device)
+        if dev.type == "cuda" and pos.device.type == "cpu":
+            pos = pos.pin_memory()
+        pos = pos.to(dev, non_blocking=True)
+    return pos.expand(3, -1)  # [B] -> [3, B], a view: the three axes agree after the prompt
