@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ TOKEN_TYPE = {"image": 1, "video": 2}
 Encoder = Callable[[Sequence[MultimodalItem]], list[VisionOutput]]
 # The LLM's token embedding: an `nn.Embedding`-like module, a `[vocab, hidden]` table, or any
 # callable from long ids to `[n, hidden]` rows.
-TextEmbedding = Union[nn.Module, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
+TextEmbedding = nn.Module | torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Precomputed:
         return self.output.embeds.shape[0]
 
 
-StepItem = Union[MultimodalItem, Precomputed]
+StepItem = MultimodalItem | Precomputed
 
 
 @dataclass(frozen=True)
