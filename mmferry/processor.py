@@ -6,11 +6,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mmferry.config import ProcessorConfig, load_model_config, preset
+from mmferry.config import PRESETS, ProcessorConfig, load_model_config, preset
 from mmferry.items import Layout, MultimodalItem
 
 if TYPE_CHECKING:
     from mmferry.prompt.expand import ExpandedPrompt
+    from mmferry.prompt.mrope import Advance
     from mmferry.prompt.tokenizer import TimestampTokenizer
 
 
@@ -46,6 +47,14 @@ class Processor:
     def tokenizer(self) -> TimestampTokenizer:
         from mmferry.prompt.tokenizer import load_tokenizer
 
+        if self._tokenizer is None:
+            # Named by the preset users type for this family, so the message fits the model.
+            name = next(k for k, v in PRESETS.items() if v.family == self.config.family)
+            raise ValueError(
+                f"this {name} Processor has no tokenizer; pass `tokenizer=` (a path to "
+                "tokenizer.json, a `tokenizers.Tokenizer` or a transformers tokenizer) or use "
+                "Processor.from_pretrained on a folder that holds tokenizer.json"
+            )
         self._tokenizer = load_tokenizer(self._tokenizer)
         return self._tokenizer
 
@@ -77,14 +86,25 @@ class Processor:
         )
 
     def expand_prompt(
-        self, input_ids: Sequence[int], items: Sequence[MultimodalItem]
+        self,
+        input_ids: Sequence[int],
+        items: Sequence[MultimodalItem],
+        *,
+        mrope_advance: Advance = "extent",
     ) -> ExpandedPrompt:
-        """Expand each placeholder to its tokens; offsets and mRoPE positions."""
+        """Expand each placeholder to its tokens; offsets and mRoPE positions.
+
+        `mrope_advance="spatial"` reproduces transformers 5.x positions after Qwen2/2.5-VL
+        videos (see `mmferry.prompt.mrope`)."""
         from mmferry.prompt.expand import expand_prompt
 
         needs_text = self.config.family == "qwen3_vl" and any(
             it.modality == "video" for it in items
         )
         return expand_prompt(
-            input_ids, items, self.config, tokenizer=self.tokenizer if needs_text else None
+            input_ids,
+            items,
+            self.config,
+            tokenizer=self.tokenizer if needs_text else None,
+            mrope_advance=mrope_advance,
         )
