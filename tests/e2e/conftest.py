@@ -1,4 +1,4 @@
-"""Session fixtures: tiny Qwen-VL checkpoints saved by transformers, with tokenizer and processor."""
+"""Session fixtures: tiny Qwen-VL checkpoints saved by transformers, tokenizer and processor."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from prompt_helpers import build_tokenizer_json, hf_processor, hf_timestamps
+from prompt_helpers import build_tokenizer_json, hf_processor
 
 import mmferry as mf
 from mmferry.config import preset
@@ -139,8 +139,11 @@ def make_case(tiny: Tiny, media: list[tuple[str, Any]], text: str = "describe th
     prompt = " ".join([*parts, text])
     # Videos: transformers' video processor needs torchvision, so the grid and pixels come from
     # mmferry's hf layout (checked against transformers' video processing in tests/preprocess).
-    vids = [tiny.proc.video(v, layout="hf", num_frames=NUM_FRAMES, source_fps=VIDEO_FPS)
-            for k, v in media if k == "video"]
+    vids = [
+        tiny.proc.video(v, layout="hf", num_frames=NUM_FRAMES, source_fps=VIDEO_FPS)
+        for k, v in media
+        if k == "video"
+    ]
     meta = [(it.grid_thw, list(range(NUM_FRAMES)), VIDEO_FPS) for it in vids]
     p = hf_processor(tiny.family, tiny.hf_tokenizer, meta)
     p.image_processor = tiny.image_processor
