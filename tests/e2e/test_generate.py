@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 from e2e_helpers import (
     advance,
@@ -45,3 +48,24 @@ def test_generation_equals_transformers(family, request):
     assert whole.tokens == ref.tokens
     assert chunked.tokens == ref.tokens
     assert close(whole.logits, ref.logits) and close(chunked.logits, ref.logits)
+    # The example's loop, chunked every 7 tokens, gives the same tokens.
+    example = _load_example()
+    tokens = example.greedy_generate(
+        tiny.model,
+        tiny.proc,
+        tiny.enc,
+        case.text_ids,
+        items,
+        max_new_tokens=16,
+        chunk_size=7,
+        mrope_advance=advance(tiny),
+    )
+    assert tokens == ref.tokens
+
+
+def _load_example():
+    path = Path(__file__).resolve().parents[2] / "examples" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
