@@ -1,0 +1,191 @@
+"""Timing and reporting shared by every benchmark.
+
+Each figure is a product measurement beside its baseline, both taken in the same rounds:
+product and baseline are interleaved in every round (the order alternates, so drift and load
+from other processes hit both alike), warm-up is excluded, and the figure reports the median
+of each side plus the median and the spread (min-max) of the per-round ratios.
+
+    fig = compare("16 JPEGs, hf", {"transformers": base_fn, "mmferry": ours_fn}, rounds=7)
+    report.add(fig)          # prints "label: transformers 78.3 ms | mmferry 29.9 ms | 2.62x
+                             #         (2.41-2.80x over 7 rounds)"
+    report.dump_json(path)   # every figure, every round, for machines
+
+A benchmark that has a value to compare rather than a time (bytes, memory) records it with
+`Figure.of_values`. Outputs must be checked equal (or the tolerance stated) before timing;
+`check_equal` does it for tensors and says how far apart they are when they differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MIN_ROUNDS = 5
+
+
+@dataclasses.dataclass
+class Figure:
+    """One product-vs-baseline figure: the per-round values of each side."""
+
+    label: str
+    base_name: str
+    base: list[float]
+    ours: list[float]
+    unit: str = "ms"  # "ms" for times measured in seconds; anything else is shown as is
+    higher_is_better: bool = False  # True for throughputs (images/s), False for times, bytes
+    note: str = ""
+
+    @classmethod
+    def of_values(
+        cls,
+        label: str,
+        base_name: str,
+        base: float | Sequence[float],
+        ours: float | Sequence[float],
+        *,
+        unit: str,
+        higher_is_better: bool = False,
+        note: str = "",
+    ) -> Figure:
+        """A figure from values that were not timed by `compare` (bytes, peak memory)."""
+        as_list = lambda v: [float(x) for x in v] if isinstance(v, Sequence) else [float(v)]  # noqa: E731
+        return cls(label, base_name, as_list(base), as_list(ours), unit, higher_is_better, note)
+
+    @property
+    def ratios(self) -> list[float]:
+        """Per-round advantage of mmferry (>1 means mmferry is better)."""
+        pairs = zip(self.base, self.ours)
+        if self.higher_is_better:
+            return [o / b if b else float("inf") for b, o in pairs]
+        return [b / o if o else float("inf") for b, o in pairs]
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios)
+
+    def _fmt(self, value: float) -> str:
+        if self.unit == "ms":
+            return f"{value * 1e3:.2f} ms"
+        if self.unit == "MiB":
+            return f"{value / 2**20:.1f} MiB"
+        return f"{value:.4g} {self.unit}".rstrip()
+
+    def line(self) -> str:
+        base, ours = statistics.median(self.base), statistics.median(self.ours)
+        rs = self.ratios
+        spread = f" ({min(rs):.2f}-{max(rs):.2f}x over {len(rs)} rounds)" if len(rs) > 1 else ""
+        note = f"  [{self.note}]" if self.note else ""
+        return (
+            f"{self.label}: {self.base_name} {self._fmt(base)} | mmferry {self._fmt(ours)} "
+            f"| {self.ratio:.2f}x{spread}{note}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(
+            base_median=statistics.median(self.base),
+            ours_median=statistics.median(self.ours),
+            ratio=self.ratio,
+            ratio_min=min(self.ratios),
+            ratio_max=max(self.ratios),
+        )
+        return d
+
+
+def compare(
+    label: str,
+    runs: dict[str, Callable[[], object]],
+    *,
+    rounds: int = MIN_ROUNDS,
+    warmup: int = 1,
+    sync: Callable[[], None] = lambda: None,
+    per: float = 1.0,
+    unit: str = "ms",
+    note: str = "",
+) -> Figure:
+    """Time a baseline and mmferry interleaved, `rounds` times each, after `warmup` calls.
+
+    `runs` holds exactly two entries, the baseline first and then "mmferry". With `per` > 1
+    and `unit` like "images/s", the figure is a throughput: `per` units of work per call.
+    """
+    if len(runs) != 2:
+        raise ValueError("compare takes exactly two runs: the baseline, then mmferry")
+    if rounds < MIN_ROUNDS:
+        raise ValueError(f"at least {MIN_ROUNDS} rounds make a figure, got {rounds}")
+    (base_name, base_fn), (_, ours_fn) = runs.items()
+    for _ in range(warmup):
+        base_fn()
+        ours_fn()
+    sync()
+    times: dict[str, list[float]] = {"base": [], "ours": []}
+    for r in range(rounds):
+        # NOTE: alternate who goes first, so a cache warmed (or evicted) by one side does not
+        # always favour the same side.
+        order = [("base", base_fn), ("ours", ours_fn)]
+        for side, fn in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[side].append(time.perf_counter() - t0)
+    if unit == "ms":
+        return Figure(label, base_name, times["base"], times["ours"], "ms", note=note)
+    rate = lambda ts: [per / t for t in ts]  # noqa: E731
+    return Figure(label, base_name, rate(times["base"]), rate(times["ours"]), unit, True, note)
+
+
+def check_equal(name: str, ours: torch.Tensor, ref: torch.Tensor, *, atol: float = 0.0) -> None:
+    """Raise unless two outputs agree (exactly, or within `atol`), before anything is timed."""
+    if ours.shape != ref.shape:
+        raise AssertionError(f"{name}: shape {tuple(ours.shape)} != {tuple(ref.shape)}")
+    diff = (ours.double() - ref.double()).abs().max().item() if ours.numel() else 0.0
+    if diff > atol:
+        raise AssertionError(f"{name}: outputs differ by {diff:.3g} (allowed {atol:.3g})")
+
+
+def machine() -> str:
+    """One line describing where the figures were taken."""
+    import os
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (
+        f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, load average {load:.2f}"
+    )
+
+
+class Report:
+    """Figures of one or more benchmarks, printed as they come and kept for JSON and plots."""
+
+    def __init__(self, *, quiet: bool = False) -> None:
+        self.sections: dict[str, list[Figure]] = {}
+        self._section = "main"
+        self.quiet = quiet
+
+    def section(self, name: str) -> None:
+        self._section = name
+        self.sections.setdefault(name, [])
+        if not self.quiet:
+            print(f"== {name} ==", flush=True)
+
+    def add(self, fig: Figure) -> Figure:
+        self.sections.setdefault(self._section, []).append(fig)
+        if not self.quiet:
+            print(fig.line(), flush=True)
+        return fig
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "machine": machine(),
+            "sections": {s: [f.as_dict() for f in figs] for s, figs in self.sections.items()},
+        }
+
+    def dump_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.as_dict(), indent=2))
