@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCHES = ("preprocess", "prompt", "materialize", "encoder", "sharded")
+BENCHES = ("preprocess", "prompt", "materialize", "encoder", "sharded", "step")
 
 
 def _demo(args: argparse.Namespace) -> int:
