@@ -44,6 +44,11 @@ _EXPORTS: dict[str, str] = {
     "MergedEmbeddings": "mmferry.embed.merge",
     "EncoderCache": "mmferry.embed.cache",
     "encode_with_cache": "mmferry.embed.cache",
+    "prefill_step": "mmferry.embed.step",
+    "StepRequest": "mmferry.embed.step",
+    "StepOutput": "mmferry.embed.step",
+    "Precomputed": "mmferry.embed.step",
+    "decode_positions": "mmferry.prompt.mrope",
 }
 
 __all__ = ["__version__", *_EXPORTS]
