@@ -278,7 +278,7 @@ def _bench_repeats(report: Report, rounds: int) -> None:
     g = torch.Generator().manual_seed(3)
     distinct = []
     for k in range(REQUESTS):
-        h, w = 2 * rng.randint(4, 12), 2 * rng.randint(4, 12)
+        h, w = 2 * rng.randint(4, 9), 2 * rng.randint(4, 9)
         feat = torch.randint(0, 256, (h * w, 3 * 16 * 16), generator=g, dtype=torch.uint8)
         distinct.append(MultimodalItem("image", feat, (1, h, w), "compact-u8", f"{k:032x}"))
 
