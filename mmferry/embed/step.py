@@ -218,6 +218,8 @@ def prefill_step(
 ) -> StepOutput:
     """The packed `inputs_embeds`, positions, vision index/mask, deepstack rows and token types
     of one prefill step; missing items are encoded in one call (see the module docstring)."""
+    if not requests:
+        raise ValueError("a prefill step needs at least one request")
     dev = _device_of(embed_tokens, device)
     pieces, cu = _plan(requests)
     outputs, num_encoded = _vision_outputs(requests, pieces, encoder, cache)

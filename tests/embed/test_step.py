@@ -184,6 +184,8 @@ def test_the_step_asks_the_device_nothing(batch):
 
 def test_bad_ranges_and_item_counts_are_errors(batch):
     prompt, items = batch[0]
+    with pytest.raises(ValueError, match="at least one request"):
+        prefill_step([], embed_tokens=torch.zeros(VOCAB, 16))
     with pytest.raises(ValueError, match="not inside the prompt"):
         StepRequest(prompt, items, 5, len(prompt.input_ids) + 1)
     with pytest.raises(ValueError, match="2 items given but the prompt has 3"):
