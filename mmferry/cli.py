@@ -16,6 +16,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     import mmferry as mf
     from mmferry.embed.merge import merge_vision_embeddings
+    from mmferry.models import spec_for
     from mmferry.preprocess.samples import sample_images, sample_video
 
     if args.model_dir:
@@ -48,7 +49,8 @@ def _demo(args: argparse.Namespace) -> int:
     # Qwen3-VL video prompts carry timestamp text, which needs the checkpoint's tokenizer.
     tok = proc.config.tokens
     in_prompt = list(items)
-    if video is not None and (proc.config.family != "qwen3_vl" or proc.has_tokenizer):
+    needs_tokenizer = spec_for(proc.config.family).timestamps_in_prompt
+    if video is not None and (not needs_tokenizer or proc.has_tokenizer):
         in_prompt.append(video)
     ids = [1, 2, 3]
     for it in in_prompt:

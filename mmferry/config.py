@@ -1,8 +1,8 @@
 """Model facts read once from a checkpoint folder, as frozen dataclasses.
 
-HF field names are translated to ours here and nowhere else, including the `vision_config`
-nesting and the `size={"shortest_edge", "longest_edge"}` / `min_pixels`/`max_pixels` spellings
-of the preprocessor configs.
+The preprocessor configs' spellings (`size={"shortest_edge", "longest_edge"}` /
+`min_pixels`/`max_pixels`) are translated here; each family's `vision_config` spellings are a
+table in its spec (`mmferry/models/`), applied by `VisionConfig.from_hf`.
 """
 
 from __future__ import annotations
@@ -11,38 +11,14 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
-
-# model_type in config.json -> the family whose preprocessing, prompt and tower rules apply.
-MODEL_FAMILIES: dict[str, str] = {
-    "qwen2_vl": "qwen2_vl",
-    "qwen2_5_vl": "qwen2_5_vl",
-    "qwen3_vl": "qwen3_vl",
-    "qwen3_vl_moe": "qwen3_vl",
-    "qwen3_5": "qwen3_vl",
-    "qwen3_5_moe": "qwen3_vl",
-}
-SUPPORTED_MODEL_TYPES = tuple(MODEL_FAMILIES)
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-HALF = (0.5, 0.5, 0.5)
 
 # Decoded images larger than this many pixels are refused before full decoding
 # (decompression bombs). 128 MP is ~10x a 4000x3000 photo.
 DEFAULT_MAX_DECODED_PIXELS = 1 << 27
-
-
-def family_of(model_type: str) -> str:
-    """The family for a config.json `model_type`; a clear error for anything unsupported."""
-    try:
-        return MODEL_FAMILIES[model_type]
-    except KeyError:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; mmferry supports: "
-            + ", ".join(SUPPORTED_MODEL_TYPES)
-        ) from None
 
 
 @dataclass(frozen=True)
@@ -53,12 +29,9 @@ class TokenIds:
     vision_end: int = 151653
 
 
-QWEN3_5_TOKENS = TokenIds(image=248056, video=248057, vision_start=248053, vision_end=248054)
-
-
 @dataclass(frozen=True)
 class VisionConfig:
-    """The vision tower's architecture (our names; see `from_hf` for the HF spellings)."""
+    """The vision tower's architecture (our names; the family's spec holds the HF spellings)."""
 
     family: str
     depth: int
@@ -96,58 +69,9 @@ class VisionConfig:
     @classmethod
     def from_hf(cls, vision: dict[str, Any], model_type: str) -> VisionConfig:
         """Build from the `vision_config` dict of a config.json with this `model_type`."""
-        family = family_of(model_type)
-        v = dict(vision)
-        if family == "qwen2_vl":
-            # Qwen2-VL names the tower width `embed_dim` and the LLM width `hidden_size`.
-            embed = v.get("embed_dim", 1280)
-            return cls(
-                family=family,
-                depth=v.get("depth", 32),
-                hidden_size=embed,
-                intermediate_size=int(embed * v.get("mlp_ratio", 4)),
-                num_heads=v.get("num_heads", 16),
-                out_hidden_size=v.get("hidden_size", 3584),
-                hidden_act=v.get("hidden_act", "quick_gelu"),
-                patch_size=v.get("patch_size", 14),
-                spatial_merge_size=v.get("spatial_merge_size", 2),
-                temporal_patch_size=v.get("temporal_patch_size", 2),
-                in_channels=v.get("in_channels", v.get("in_chans", 3)),
-            )
-        if family == "qwen2_5_vl":
-            return cls(
-                family=family,
-                depth=v.get("depth", 32),
-                hidden_size=v.get("hidden_size", 3584),
-                intermediate_size=v.get("intermediate_size", 3420),
-                num_heads=v.get("num_heads", 16),
-                out_hidden_size=v.get("out_hidden_size", 3584),
-                hidden_act=v.get("hidden_act", "silu"),
-                patch_size=v.get("patch_size", 14),
-                spatial_merge_size=v.get("spatial_merge_size", 2),
-                temporal_patch_size=v.get("temporal_patch_size", 2),
-                in_channels=v.get("in_channels", v.get("in_chans", 3)),
-                window_size=v.get("window_size", 112),
-                fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))),
-                tokens_per_second=v.get("tokens_per_second", 4),
-            )
-        # Qwen3-VL and its siblings; Qwen3.5 towers have no deepstack taps.
-        default_deepstack = () if model_type.startswith("qwen3_5") else (8, 16, 24)
-        return cls(
-            family=family,
-            depth=v.get("depth", 27),
-            hidden_size=v.get("hidden_size", 1152),
-            intermediate_size=v.get("intermediate_size", 4304),
-            num_heads=v.get("num_heads", 16),
-            out_hidden_size=v.get("out_hidden_size", 3584),
-            hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
-            patch_size=v.get("patch_size", 16),
-            spatial_merge_size=v.get("spatial_merge_size", 2),
-            temporal_patch_size=v.get("temporal_patch_size", 2),
-            in_channels=v.get("in_channels", 3),
-            num_position_embeddings=v.get("num_position_embeddings", 2304),
-            deepstack_visual_indexes=tuple(v.get("deepstack_visual_indexes", default_deepstack)),
-        )
+        from mmferry.models import spec_for
+
+        return spec_for(model_type).vision_from_hf(vision)
 
 
 @dataclass(frozen=True)
@@ -178,8 +102,10 @@ class ProcessorConfig:
     tokens: TokenIds = field(default_factory=TokenIds)
 
     def __post_init__(self) -> None:
-        if self.family not in {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}:
-            raise ValueError(f"unknown processor family {self.family!r}")
+        # NOTE: the family is checked where it is used (`spec_for`): the specs themselves
+        # build ProcessorConfigs while the registry is being filled.
+        if not isinstance(self.family, str) or not self.family:
+            raise ValueError(f"processor family must be a family name, got {self.family!r}")
         for name in ("patch_size", "merge_size", "temporal_patch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -206,38 +132,14 @@ class ProcessorConfig:
         return dataclasses.replace(self, **overrides)
 
 
-_QWEN2 = ProcessorConfig(family="qwen2_vl", patch_size=14)
-_QWEN3 = ProcessorConfig(
-    family="qwen3_vl",
-    patch_size=16,
-    image_min_pixels=65536,
-    image_max_pixels=16777216,
-    image_mean=HALF,
-    image_std=HALF,
-    video_min_pixels=4096,
-    video_max_pixels=25165824,
-    video_mean=HALF,
-    video_std=HALF,
-)
-
-# The public checkpoints' preprocessor defaults, by the names users type.
-PRESETS: MappingProxyType[str, ProcessorConfig] = MappingProxyType(
-    {
-        "qwen2-vl": _QWEN2,
-        "qwen2.5-vl": _QWEN2.replace(family="qwen2_5_vl"),
-        "qwen3-vl": _QWEN3,
-        "qwen3-vl-moe": _QWEN3,
-        "qwen3.5": _QWEN3.replace(tokens=QWEN3_5_TOKENS),
-        "qwen3.5-moe": _QWEN3.replace(tokens=QWEN3_5_TOKENS),
-    }
-)
-
-
 def preset(name: str) -> ProcessorConfig:
-    key = name.lower().replace("_", "-")
-    if key not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
-    return PRESETS[key]
+    """The public checkpoint's preprocessing for a preset name ("qwen3-vl", "qwen2.5-vl", ...)."""
+    from mmferry.models import PRESETS, spec_for
+
+    try:
+        return spec_for(name).processor
+    except ValueError:
+        raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}") from None
 
 
 @dataclass(frozen=True)
@@ -276,9 +178,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     model_type = cfg.get("model_type")
     if model_type is None:
         raise ValueError(f"{cfg_path} has no model_type")
-    family = family_of(model_type)
-    vision = VisionConfig.from_hf(cfg.get("vision_config") or {}, model_type)
-    default_tokens = QWEN3_5_TOKENS if model_type.startswith("qwen3_5") else TokenIds()
+    from mmferry.models import spec_for
+
+    spec = spec_for(model_type)
+    vision = spec.vision_from_hf(cfg.get("vision_config") or {})
+    default_tokens = spec.tokens
     tokens = TokenIds(
         image=cfg.get("image_token_id", default_tokens.image),
         video=cfg.get("video_token_id", default_tokens.video),
@@ -286,14 +190,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         vision_end=cfg.get("vision_end_token_id", default_tokens.vision_end),
     )
     text = cfg.get("text_config") or cfg
-    base = _QWEN3 if family == "qwen3_vl" else _QWEN2.replace(family=family)
     overrides: dict[str, Any] = {
         "patch_size": vision.patch_size,
         "merge_size": vision.spatial_merge_size,
         "temporal_patch_size": vision.temporal_patch_size,
         "tokens": tokens,
     }
-    if family == "qwen2_5_vl":
+    if spec.video_time_in_mrope:
         overrides["tokens_per_second"] = vision.tokens_per_second
     image_cfg_path = root / "preprocessor_config.json"
     if image_cfg_path.is_file():
@@ -325,9 +228,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             overrides["cap_pixels_per_frame"] = bool(vc["cap_pixels_per_frame"])
     return ModelConfig(
         model_type=model_type,
-        family=family,
+        family=spec.family,
         vision=vision,
         tokens=tokens,
-        processor=base.replace(**overrides),
+        processor=spec.processor.replace(**overrides),
         text_hidden_size=text.get("hidden_size"),
     )

@@ -17,23 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-# Where the vision tower lives in a checkpoint, per family, most specific first. transformers
-# >= 4.52 saves `model.visual.*`; the original Qwen2-VL / Qwen2.5-VL releases use `visual.*`
-# (transformers renames `^visual` -> `model.visual` when loading them).
-VISION_PREFIXES: dict[str, tuple[str, ...]] = {
-    "qwen2_vl": ("model.visual.", "visual."),
-    "qwen2_5_vl": ("model.visual.", "visual."),
-    "qwen3_vl": ("model.visual.", "visual."),
-}
-
-# Key renames applied after the prefix is stripped, as (regex, replacement), per family.
-# The towers mirror the checkpoints' module names, so none is needed today; a family whose
-# checkpoints spell a module differently declares it here rather than in code.
-KEY_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
-    "qwen2_vl": (),
-    "qwen2_5_vl": (),
-    "qwen3_vl": (),
-}
+from mmferry.models.base import ModelSpec
 
 
 def _shards(root: Path) -> dict[Path, list[str]]:
@@ -55,28 +39,30 @@ def _shards(root: Path) -> dict[Path, list[str]]:
     return by_file
 
 
-def _pick_prefix(keys: list[str], family: str) -> str:
-    for prefix in VISION_PREFIXES[family]:
+def _pick_prefix(keys: list[str], prefixes: tuple[str, ...]) -> str:
+    for prefix in prefixes:
         if any(k.startswith(prefix) for k in keys):
             return prefix
-    raise ValueError(
-        f"checkpoint has no vision tower: no key starts with any of {VISION_PREFIXES[family]}"
-    )
+    raise ValueError(f"checkpoint has no vision tower: no key starts with any of {prefixes}")
 
 
-def _rename(key: str, family: str) -> str:
-    for pattern, repl in KEY_RENAMES[family]:
+def _rename(key: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for pattern, repl in renames:
         key = re.sub(pattern, repl, key)
     return key
 
 
 def iter_vision_tensors(
-    model_dir: str | Path, family: str, *, device: torch.device, dtype: torch.dtype
+    model_dir: str | Path, spec: ModelSpec, *, device: torch.device, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (tower key, tensor on device in dtype) for every vision tensor, one at a time."""
+    """Yield (tower key, tensor on device in dtype) for every vision tensor, one at a time.
+
+    The spec says where the tower lives in the checkpoint (`vision_prefixes`, most specific
+    first) and which keys it spells differently (`key_renames`).
+    """
     root = Path(model_dir)
     shards = _shards(root)
-    prefix = _pick_prefix([k for keys in shards.values() for k in keys], family)
+    prefix = _pick_prefix([k for keys in shards.values() for k in keys], spec.vision_prefixes)
     for path, keys in shards.items():
         wanted = [k for k in keys if k.startswith(prefix)]
         if not wanted:
@@ -86,7 +72,7 @@ def iter_vision_tensors(
                 tensor = sf.get_tensor(key)
                 if tensor.is_floating_point():
                     tensor = tensor.to(dtype)
-                yield _rename(key[len(prefix) :], family), tensor.to(device)
+                yield _rename(key[len(prefix) :], spec.key_renames), tensor.to(device)
 
 
 def assign_state(module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -12,6 +12,7 @@ from tiny_checkpoints import QWEN3_VISION, TOKENS, make_qwen3_vl, tiny_text
 from mmferry.encoder.loader import iter_vision_tensors
 from mmferry.encoder.model import VisionEncoder
 from mmferry.items import MultimodalItem
+from mmferry.models import spec_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,7 +88,7 @@ def test_sharded_checkpoint_reads_only_vision_shards(tmp_path):
     keys = [
         k
         for k, _ in iter_vision_tensors(
-            path, "qwen3_vl", device=torch.device("cpu"), dtype=torch.float32
+            path, spec_for("qwen3_vl"), device=torch.device("cpu"), dtype=torch.float32
         )
     ]
     assert len(keys) == sum(k.startswith("model.visual.") for k in index)

@@ -1,22 +1,27 @@
-"""Qwen3-VL vision tower (also Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE, which share it).
+"""Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE: their specs and their shared vision tower.
 
-Attribute names mirror the checkpoints, so `model.visual.<key>` maps to `<key>` here one-to-one:
+Tower attribute names mirror the checkpoints, so `model.visual.<key>` maps to `<key>` one-to-one:
 patch_embed.proj, pos_embed, blocks.N.{norm1,norm2,attn.qkv,attn.proj,mlp.linear_fc1,
 mlp.linear_fc2}, merger.{norm,linear_fc1,linear_fc2}, deepstack_merger_list.N.{...}.
+Video: frames spread evenly over the clip, a pixel budget per frame, and one `<t seconds>`
+text per temporal patch in the prompt. Qwen3.5 has its own token ids and no deepstack taps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmferry.config import VisionConfig
+from mmferry.config import ProcessorConfig, TokenIds, VisionConfig
 from mmferry.encoder.attention import AttentionFn
-from mmferry.encoder.layers import PatchEmbed, VisionAttention, rope_tables
+from mmferry.encoder.layers import InputKind, PatchEmbed, VisionBlock, layer_norm, rope_tables
 from mmferry.encoder.metadata import TowerMetadata, build_metadata
+from mmferry.models.base import ModelSpec, register
+from mmferry.preprocess.sampling import even_indices, per_frame_size
 
 # In-place activations: the MLP's [N, intermediate] tensor is the largest of a layer, and not
 # allocating a second one saves a pass of fresh memory per block.
@@ -40,20 +45,6 @@ class Qwen3VisionMLP(nn.Module):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
-class Qwen3VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(cfg)
-        self.mlp = Qwen3VisionMLP(cfg)
-
-    def forward(self, x, rope, batch, attend) -> torch.Tensor:
-        # NOTE: residual adds are in place; the tower owns x (inference only).
-        x.add_(self.attn(self.norm1(x), rope, batch, attend))
-        return x.add_(self.mlp(self.norm2(x)))
-
-
 class Qwen3PatchMerger(nn.Module):
     """2x2 merge-block shuffle + MLP; deepstack mergers normalise after the shuffle."""
 
@@ -61,7 +52,7 @@ class Qwen3PatchMerger(nn.Module):
         super().__init__()
         self.width = cfg.hidden_size * cfg.spatial_merge_size**2
         self.postshuffle_norm = postshuffle_norm
-        self.norm = nn.LayerNorm(self.width if postshuffle_norm else cfg.hidden_size, eps=1e-6)
+        self.norm = layer_norm(self.width if postshuffle_norm else cfg.hidden_size)
         self.linear_fc1 = nn.Linear(self.width, self.width)
         self.linear_fc2 = nn.Linear(self.width, cfg.out_hidden_size)
 
@@ -86,7 +77,9 @@ class Qwen3VisionTower(nn.Module):
             raise ValueError(
                 f"num_position_embeddings {cfg.num_position_embeddings} is not a square"
             )
-        self.blocks = nn.ModuleList(Qwen3VisionBlock(cfg) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(
+            VisionBlock(cfg, layer_norm, Qwen3VisionMLP(cfg)) for _ in range(cfg.depth)
+        )
         self.merger = Qwen3PatchMerger(cfg, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
             Qwen3PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes
@@ -103,11 +96,11 @@ class Qwen3VisionTower(nn.Module):
 
     def forward(
         self,
-        segments: Sequence[tuple[str, torch.Tensor]],
+        segments: Sequence[tuple[InputKind, torch.Tensor]],
         meta: TowerMetadata,
         attend: AttentionFn,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Patch rows (per input kind, packed in `meta.grids` order) -> merged [N/4, out] and
+        """Feature rows (per input kind, packed in `meta.grids` order) -> merged [N/4, out] and
         one [N/4, out] tensor per deepstack tap."""
         x = self.patch_embed(segments)
         pos = F.embedding_bag(
@@ -125,3 +118,94 @@ class Qwen3VisionTower(nn.Module):
             if layer in taps:
                 deepstack.append(self.deepstack_merger_list[taps[layer]](x))
         return self.merger(x), deepstack
+
+
+QWEN3_VL_FIELDS = {
+    "depth": (("depth",), 27),
+    "hidden_size": (("hidden_size",), 1152),
+    "intermediate_size": (("intermediate_size",), 4304),
+    "num_heads": (("num_heads",), 16),
+    "out_hidden_size": (("out_hidden_size",), 3584),
+    "hidden_act": (("hidden_act",), "gelu_pytorch_tanh"),
+    "patch_size": (("patch_size",), 16),
+    "spatial_merge_size": (("spatial_merge_size",), 2),
+    "temporal_patch_size": (("temporal_patch_size",), 2),
+    "in_channels": (("in_channels",), 3),
+    "num_position_embeddings": (("num_position_embeddings",), 2304),
+    "deepstack_visual_indexes": (("deepstack_visual_indexes",), (8, 16, 24)),
+}
+# Qwen3.5 towers have no deepstack taps.
+QWEN3_5_FIELDS = {
+    **QWEN3_VL_FIELDS,
+    "deepstack_visual_indexes": (("deepstack_visual_indexes",), ()),
+}
+
+HALF = (0.5, 0.5, 0.5)
+QWEN3_5_TOKENS = TokenIds(image=248056, video=248057, vision_start=248053, vision_end=248054)
+
+QWEN3_VL = ModelSpec(
+    model_type="qwen3_vl",
+    family="qwen3_vl",
+    preset_name="qwen3-vl",
+    hf_vision=QWEN3_VL_FIELDS,
+    tokens=TokenIds(),
+    processor=ProcessorConfig(
+        family="qwen3_vl",
+        patch_size=16,
+        image_min_pixels=65536,
+        image_max_pixels=16777216,
+        image_mean=HALF,
+        image_std=HALF,
+        video_min_pixels=4096,
+        video_max_pixels=25165824,
+        video_mean=HALF,
+        video_std=HALF,
+    ),
+    # Qwen3-VL-2B/4B's tower.
+    random_config=VisionConfig(
+        family="qwen3_vl",
+        depth=24,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_heads=16,
+        out_hidden_size=2048,
+        hidden_act="gelu_pytorch_tanh",
+        patch_size=16,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=(5, 11, 17),
+    ),
+    tiny_config=VisionConfig(
+        family="qwen3_vl",
+        depth=3,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        out_hidden_size=48,
+        hidden_act="gelu_pytorch_tanh",
+        patch_size=16,
+        num_position_embeddings=144,
+        deepstack_visual_indexes=(0, 2),
+    ),
+    tower=Qwen3VisionTower,
+    sample_frames=even_indices,
+    frame_size=per_frame_size,
+    timestamps_in_prompt=True,
+)
+
+_QWEN3_5 = dataclasses.replace(
+    QWEN3_VL,
+    model_type="qwen3_5",
+    preset_name="qwen3.5",
+    hf_vision=QWEN3_5_FIELDS,
+    tokens=QWEN3_5_TOKENS,
+    processor=QWEN3_VL.processor.replace(tokens=QWEN3_5_TOKENS),
+    random_config=dataclasses.replace(QWEN3_VL.random_config, deepstack_visual_indexes=()),
+    tiny_config=dataclasses.replace(QWEN3_VL.tiny_config, deepstack_visual_indexes=()),
+)
+
+register(
+    QWEN3_VL,
+    dataclasses.replace(QWEN3_VL, model_type="qwen3_vl_moe", preset_name="qwen3-vl-moe"),
+    _QWEN3_5,
+    dataclasses.replace(_QWEN3_5, model_type="qwen3_5_moe", preset_name="qwen3.5-moe"),
+)
