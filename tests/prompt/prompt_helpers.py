@@ -114,7 +114,6 @@ def tiny_hf_model(family: str, *, tokens_per_second: int = 2):
     return Qwen3VLModel(Qwen3VLConfig(text_config=text, vision_config=vision)).eval()
 
 
-FAMILY_PRESET = {"qwen2_vl": "qwen2-vl", "qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl"}
 
 
 def hf_processor(
@@ -135,7 +134,7 @@ def hf_processor(
         "qwen2_5_vl": Qwen2_5_VLProcessor,
         "qwen3_vl": Qwen3VLProcessor,
     }[family]
-    cfg = preset(FAMILY_PRESET[family])
+    cfg = preset(family)
 
     class PrecomputedVideos(base):
         def check_argument_for_proper_class(self, name, arg):
