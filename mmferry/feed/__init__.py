@@ -8,20 +8,16 @@ does, gets the features untouched).
 
 from __future__ import annotations
 
-from mmferry.feed.capabilities import (
-    EncoderCapabilities,
-    EncoderInputs,
-    capabilities_of,
-    prepare_encoder_inputs,
-)
-from mmferry.feed.materialize import materialize_features
-from mmferry.feed.pinned import PinnedStaging
+from mmferry._exports import lazy_exports
 
-__all__ = [
-    "EncoderCapabilities",
-    "EncoderInputs",
-    "PinnedStaging",
-    "capabilities_of",
-    "materialize_features",
-    "prepare_encoder_inputs",
-]
+_EXPORTS: dict[str, str] = {
+    "materialize_features": "mmferry.feed.materialize",
+    "PinnedStaging": "mmferry.feed.pinned",
+    "capabilities_of": "mmferry.feed.capabilities",
+    "prepare_encoder_inputs": "mmferry.feed.capabilities",
+    "EncoderCapabilities": "mmferry.feed.capabilities",
+    "EncoderInputs": "mmferry.feed.capabilities",
+}
+
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -114,8 +114,6 @@ def tiny_hf_model(family: str, *, tokens_per_second: int = 2):
     return Qwen3VLModel(Qwen3VLConfig(text_config=text, vision_config=vision)).eval()
 
 
-
-
 def hf_processor(
     family: str, tokenizer, videos: list[tuple[tuple[int, int, int], list[int], float]]
 ):
