@@ -90,7 +90,11 @@ class ProcessorConfig:
     video_max_pixels: int = 768 * 28 * 28
     video_mean: tuple[float, float, float] = CLIP_MEAN
     video_std: tuple[float, float, float] = CLIP_STD
-    fps: float = 2.0
+    # Video sampling when a call passes neither fps nor num_frames: off keeps every frame;
+    # on samples `num_frames` if set, else at `fps` (None: every frame), as transformers does.
+    do_sample_frames: bool = True
+    fps: float | None = 2.0
+    num_frames: int | None = None
     min_frames: int = 4
     max_frames: int = 768
     # Qwen3-VL video per-frame pixel cap (transformers' `cap_pixels_per_frame`); off by default
@@ -115,6 +119,10 @@ class ProcessorConfig:
             raise ValueError("video_min_pixels is larger than video_max_pixels")
         if not 1 <= self.min_frames <= self.max_frames:
             raise ValueError("need 1 <= min_frames <= max_frames")
+        if self.fps is not None and not self.fps > 0:
+            raise ValueError(f"fps must be positive or None, got {self.fps}")
+        if self.num_frames is not None and self.num_frames < 1:
+            raise ValueError(f"num_frames must be >= 1 or None, got {self.num_frames}")
 
     @property
     def factor(self) -> int:
@@ -168,6 +176,37 @@ def _pixel_limits(cfg: dict[str, Any]) -> tuple[int | None, int | None]:
     return lo, hi
 
 
+def _settings(root: Path, kind: str, files: tuple[str, ...]) -> dict[str, Any] | None:
+    """A sub-processor's settings as transformers finds them: processor_config.json's nested
+    `kind` entry first, then the first of `files` that exists; None when there are none."""
+    nested = root / "processor_config.json"
+    if nested.is_file():
+        entry = _read_json(nested).get(kind)
+        if isinstance(entry, dict):
+            return entry
+    for name in files:
+        if (root / name).is_file():
+            return _read_json(root / name)
+    return None
+
+
+def _video_overrides(vc: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """Our video fields from a video processor's settings over its class defaults."""
+    out = dict(defaults)
+    lo, hi = _pixel_limits(vc)
+    out.update({k: v for k, v in (("video_min_pixels", lo), ("video_max_pixels", hi)) if v})
+    for ours, theirs in (("video_mean", "image_mean"), ("video_std", "image_std")):
+        if theirs in vc:
+            out[ours] = tuple(vc[theirs])
+    for key in ("fps", "num_frames", "min_frames", "max_frames"):
+        if key in vc:
+            out[key] = vc[key]
+    for key in ("do_sample_frames", "cap_pixels_per_frame"):
+        if vc.get(key) is not None:
+            out[key] = bool(vc[key])
+    return out
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read config.json and the preprocessor configs of a local checkpoint folder."""
     root = Path(model_dir)
@@ -198,9 +237,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     }
     if spec.video_time_in_mrope:
         overrides["tokens_per_second"] = vision.tokens_per_second
-    image_cfg_path = root / "preprocessor_config.json"
-    if image_cfg_path.is_file():
-        ic = _read_json(image_cfg_path)
+    ic = _settings(root, "image_processor", ("preprocessor_config.json",))
+    if ic is not None:
         lo, hi = _pixel_limits(ic)
         overrides.update(
             {k: v for k, v in (("image_min_pixels", lo), ("image_max_pixels", hi)) if v}
@@ -211,21 +249,14 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         for key in ("patch_size", "merge_size", "temporal_patch_size"):
             if key in ic:
                 overrides[key] = ic[key]
-    video_cfg_path = root / "video_preprocessor_config.json"
-    if video_cfg_path.is_file():
-        vc = _read_json(video_cfg_path)
-        lo, hi = _pixel_limits(vc)
-        overrides.update(
-            {k: v for k, v in (("video_min_pixels", lo), ("video_max_pixels", hi)) if v}
-        )
-        for ours, theirs in (("video_mean", "image_mean"), ("video_std", "image_std")):
-            if theirs in vc:
-                overrides[ours] = tuple(vc[theirs])
-        for key in ("fps", "min_frames", "max_frames"):
-            if vc.get(key) is not None:
-                overrides[key] = vc[key]
-        if vc.get("cap_pixels_per_frame") is not None:
-            overrides["cap_pixels_per_frame"] = bool(vc["cap_pixels_per_frame"])
+    # As transformers' video processor loading: with no video config, the image processor's
+    # file stands in, and the family's video processor class supplies what a file leaves out.
+    # A folder with neither keeps the preset.
+    vc = _settings(
+        root, "video_processor", ("video_preprocessor_config.json", "preprocessor_config.json")
+    )
+    if vc is not None:
+        overrides.update(_video_overrides(vc, dict(spec.hf_video_defaults)))
     return ModelConfig(
         model_type=model_type,
         family=spec.family,

@@ -38,6 +38,9 @@ class ModelSpec:
     hf_vision: Mapping[str, HFField]
     tokens: TokenIds
     processor: ProcessorConfig
+    # transformers' video processor class defaults (our field names): what a checkpoint folder's
+    # video settings fall back to. Presets (`processor`) keep their own documented choice.
+    hf_video_defaults: Mapping[str, Any]
     # The public checkpoint's tower for `VisionEncoder.random`, and a tiny one for tests.
     random_config: VisionConfig
     tiny_config: VisionConfig

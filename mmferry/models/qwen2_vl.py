@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmferry.config import ProcessorConfig, TokenIds, VisionConfig
+from mmferry.config import CLIP_MEAN, CLIP_STD, ProcessorConfig, TokenIds, VisionConfig
 from mmferry.encoder.attention import AttentionFn
 from mmferry.encoder.layers import (
     InputKind,
@@ -161,6 +161,19 @@ QWEN2_5_VL_FIELDS = {
 }
 
 _PROCESSOR = ProcessorConfig(family="qwen2_vl", patch_size=14)
+# Qwen2VLVideoProcessor's defaults (both families use it): every frame unless asked to sample.
+_HF_VIDEO = {
+    "video_min_pixels": 128 * 28 * 28,
+    "video_max_pixels": 768 * 28 * 28,
+    "video_mean": CLIP_MEAN,
+    "video_std": CLIP_STD,
+    "do_sample_frames": False,
+    "fps": None,
+    "num_frames": None,
+    "min_frames": 4,
+    "max_frames": 768,
+    "cap_pixels_per_frame": False,
+}
 
 QWEN2_VL = ModelSpec(
     model_type="qwen2_vl",
@@ -169,6 +182,7 @@ QWEN2_VL = ModelSpec(
     hf_vision=QWEN2_VL_FIELDS,
     tokens=TokenIds(),
     processor=_PROCESSOR,
+    hf_video_defaults=_HF_VIDEO,
     # Qwen2-VL-2B's tower.
     random_config=VisionConfig(
         family="qwen2_vl",
@@ -202,6 +216,7 @@ QWEN2_5_VL = ModelSpec(
     hf_vision=QWEN2_5_VL_FIELDS,
     tokens=TokenIds(),
     processor=_PROCESSOR.replace(family="qwen2_5_vl"),
+    hf_video_defaults=_HF_VIDEO,
     # Qwen2.5-VL-7B's tower.
     random_config=VisionConfig(
         family="qwen2_5_vl",

@@ -161,6 +161,19 @@ QWEN3_VL = ModelSpec(
         video_mean=HALF,
         video_std=HALF,
     ),
+    # Qwen3VLVideoProcessor's defaults.
+    hf_video_defaults={
+        "video_min_pixels": 128 * 32 * 32,
+        "video_max_pixels": 768 * 32 * 32,
+        "video_mean": HALF,
+        "video_std": HALF,
+        "do_sample_frames": True,
+        "fps": 2.0,
+        "num_frames": None,
+        "min_frames": 4,
+        "max_frames": 768,
+        "cap_pixels_per_frame": False,
+    },
     # Qwen3-VL-2B/4B's tower.
     random_config=VisionConfig(
         family="qwen3_vl",

@@ -38,8 +38,12 @@ def sample_indices(
         raise ValueError("pass either fps or num_frames, not both")
     if num_frames is not None and num_frames < 1:
         raise ValueError(f"num_frames must be >= 1, got {num_frames}")
-    fps = cfg.fps if fps is None else fps
-    if fps <= 0 or source_fps <= 0:
+    if fps is None and num_frames is None:
+        # The processor's own settings, as transformers applies them.
+        if not cfg.do_sample_frames:
+            return list(range(total))
+        fps, num_frames = (None, cfg.num_frames) if cfg.num_frames else (cfg.fps, None)
+    if fps is not None and (fps <= 0 or source_fps <= 0):
         raise ValueError(f"fps and source fps must be positive, got {fps} and {source_fps}")
     from mmferry.models import spec_for
 
@@ -47,22 +51,26 @@ def sample_indices(
 
 
 def even_indices(
-    cfg: ProcessorConfig, total: int, source_fps: float, fps: float, num_frames: int | None
+    cfg: ProcessorConfig, total: int, source_fps: float, fps: float | None, num_frames: int | None
 ) -> list[int]:
     """`n` frames spread evenly from the first to the last (Qwen3-VL's rule)."""
-    if num_frames is None:
+    if num_frames is not None:
+        n = min(num_frames, total)
+    elif fps is not None:
         n = int(total / source_fps * fps)
         n = min(max(n, cfg.min_frames), cfg.max_frames, total)
     else:
-        n = min(num_frames, total)
+        n = min(total, cfg.max_frames)
     # NOTE: numpy's round is half-to-even, as transformers uses.
     return np.linspace(0, total - 1, n).round().astype(np.int64).tolist()
 
 
 def stride_indices(
-    cfg: ProcessorConfig, total: int, source_fps: float, fps: float, num_frames: int | None
+    cfg: ProcessorConfig, total: int, source_fps: float, fps: float | None, num_frames: int | None
 ) -> list[int]:
     """Whole temporal patches of frames at a fixed stride from the first (Qwen2-VL's rule)."""
+    if fps is None and num_frames is None:
+        return list(range(total))
     t = cfg.temporal_patch_size
     if num_frames is not None:
         n = round(num_frames / t) * t
