@@ -7,6 +7,7 @@ the encoder's device in one step, runs ONE tower forward for the whole batch and
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,6 +222,30 @@ class VisionEncoder:
             result[i] = outs[pos]
         return result
 
+    def _check_grids(self, grid_thw: Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:
+        """Grids as int triples, checked before anything is allocated for them."""
+        merge = self.config.spatial_merge_size
+        grids = []
+        for i, g in enumerate(grid_thw):
+            g = tuple(g)
+            if len(g) != 3:
+                raise ValueError(f"grid_thw[{i}] = {g} must have three entries (t, h, w)")
+            try:
+                # operator.index takes ints of any kind (numpy too) and refuses floats and bools.
+                g = tuple(operator.index(v) for v in g if not isinstance(v, bool))
+            except TypeError:
+                g = ()
+            if len(g) != 3:
+                raise ValueError(f"grid_thw[{i}] = {tuple(grid_thw[i])} must hold integers")
+            if min(g) < 1:
+                raise ValueError(f"grid_thw[{i}] = {g} must be positive")
+            if g[1] % merge or g[2] % merge:
+                raise ValueError(
+                    f"grid_thw[{i}] = {g}: h and w must be multiples of the merge size {merge}"
+                )
+            grids.append(g)
+        return grids
+
     def forward_packed(
         self,
         pixel_values: torch.Tensor,
@@ -230,10 +255,7 @@ class VisionEncoder:
     ) -> list[VisionOutput]:
         """Encode one packed tensor of rows for `grid_thw` (pass grids on the host: a CUDA
         tensor costs one sync to read). Compact-u8 widths C*P*P / C*T*P*P mean images / videos."""
-        grids = [
-            tuple(int(v) for v in g)
-            for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)
-        ]
+        grids = self._check_grids(grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)
         if not grids:
             return []
         rows = sum(t * h * w for t, h, w in grids)
