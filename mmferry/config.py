@@ -53,6 +53,10 @@ class VisionConfig:
     tokens_per_second: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"vision {name} must be a positive integer, got {value!r}")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"vision hidden_size {self.hidden_size} is not divisible by "
@@ -214,13 +218,21 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"no config.json in {root}")
     cfg = _read_json(cfg_path)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path} must hold a JSON object, got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
     if model_type is None:
         raise ValueError(f"{cfg_path} has no model_type")
     from mmferry.models import spec_for
 
-    spec = spec_for(model_type)
-    vision = spec.vision_from_hf(cfg.get("vision_config") or {})
+    spec = spec_for(str(model_type))
+    vision_cfg = cfg.get("vision_config") or {}
+    if not isinstance(vision_cfg, dict):
+        raise ValueError(f"{cfg_path}: vision_config must be a JSON object")
+    try:
+        vision = spec.vision_from_hf(vision_cfg)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{cfg_path}: vision_config: {e}") from None
     default_tokens = spec.tokens
     tokens = TokenIds(
         image=cfg.get("image_token_id", default_tokens.image),

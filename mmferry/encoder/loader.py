@@ -24,19 +24,34 @@ def _shards(root: Path) -> dict[Path, list[str]]:
     """Shard file -> checkpoint keys in it; raises when no safetensors file exists."""
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, AttributeError):
+            weight_map = None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no `weight_map` object (key -> shard file name)")
+        inside = root.resolve()
         by_file: dict[Path, list[str]] = {}
         for key, name in weight_map.items():
-            by_file.setdefault(root / name, []).append(key)
+            shard = (root / str(name)).resolve()
+            # NOTE: an index names files; a path that leaves the model folder is refused, so a
+            # checkpoint cannot make the loader read arbitrary files.
+            if not shard.is_relative_to(inside):
+                raise ValueError(f"{index}: weight_map[{key!r}] = {name!r} is outside {root}")
+            by_file.setdefault(shard, []).append(key)
         return by_file
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no model.safetensors(.index.json) in {root}")
-    by_file = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            by_file[f] = list(sf.keys())
-    return by_file
+    return {f: _keys(f) for f in files}
+
+
+def _keys(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt") as sf:
+            return list(sf.keys())
+    except Exception as e:  # safetensors raises its own error types, naming no file
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def _pick_prefix(keys: list[str], prefixes: tuple[str, ...]) -> str:
@@ -67,12 +82,21 @@ def iter_vision_tensors(
         wanted = [k for k in keys if k.startswith(prefix)]
         if not wanted:
             continue  # shards holding only language-model weights are never opened
-        with safe_open(str(path), framework="pt", device="cpu") as sf:
+        try:
+            sf = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # safetensors' errors name no file
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        with sf:
             for key in wanted:
-                tensor = sf.get_tensor(key)
-                if tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                yield _rename(key[len(prefix) :], spec.key_renames), tensor.to(device)
+                try:
+                    tensor = sf.get_tensor(key)
+                except Exception as e:
+                    raise ValueError(f"{path}: cannot read {key} ({e})") from None
+                if not tensor.is_floating_point():
+                    raise ValueError(
+                        f"{path}: {key} has dtype {tensor.dtype}; vision weights are floating point"
+                    )
+                yield _rename(key[len(prefix) :], spec.key_renames), tensor.to(device, dtype)
 
 
 def assign_state(module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
