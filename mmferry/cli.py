@@ -26,7 +26,8 @@ def _demo(args: argparse.Namespace) -> int:
     sources = [str(p) for p in args.images] or [str(p) for p in mf.sample_images()]
     t0 = time.perf_counter()
     items = [proc.image(s, layout="compact-u8") for s in sources]
-    video = None if args.no_video else proc.video(str(args.video or mf.sample_video()), "compact-u8")
+    video_path = str(args.video or mf.sample_video())
+    video = None if args.no_video else proc.video(video_path, "compact-u8")
     t_pre = time.perf_counter() - t0
     print(
         f"preprocess  {len(items)} images{' + 1 video' if video else ''} "
