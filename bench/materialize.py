@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mmferry.materialize import materialize_features
+from mmferry.feed.materialize import materialize_features
 from mmferry.transport.shm import ShmArena, open_shared
 
 MB = 1 << 20

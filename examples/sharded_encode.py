@@ -20,19 +20,10 @@ from mmferry.config import VisionConfig
 from mmferry.encoder.model import VisionEncoder
 from mmferry.encoder.sharded import encode_sharded, plan_for
 from mmferry.items import MultimodalItem
+from mmferry.models import spec_for
 
-TINY = VisionConfig(
-    family="qwen3_vl",
-    depth=2,
-    hidden_size=64,
-    intermediate_size=128,
-    num_heads=4,
-    out_hidden_size=64,
-    hidden_act="gelu_pytorch_tanh",
-    patch_size=16,
-    num_position_embeddings=256,
-    deepstack_visual_indexes=(0, 1),
-)
+# The tiny Qwen3-VL tower; `--model-dir` loads a real checkpoint instead.
+TINY = spec_for("qwen3_vl").tiny_config
 
 
 def demo_items(cfg: VisionConfig) -> list[MultimodalItem]:

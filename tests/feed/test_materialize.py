@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mmferry.materialize import materialize_features
+from mmferry.feed.materialize import materialize_features
 from mmferry.transport.shm import ShmArena, open_shared
 
 CUDA = torch.cuda.is_available()
@@ -151,7 +151,7 @@ def test_bad_input_raises_clear_value_error(features, dtype, match):
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_mixed_sources_no_sync_and_small_chunks():
-    from mmferry.transport.pinned import PinnedStaging
+    from mmferry.feed.pinned import PinnedStaging
 
     g = torch.Generator().manual_seed(2)
     staging = PinnedStaging("cuda", chunk_bytes=4096, num_chunks=2)  # forces many chunks
@@ -193,7 +193,7 @@ def test_cuda_one_output_sized_allocation():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_pinned_shm_view_lease_held_until_copy_done():
-    from mmferry.transport.pinned import PinnedStaging
+    from mmferry.feed.pinned import PinnedStaging
 
     staging = PinnedStaging("cuda")
     with ShmArena(64 << 20) as arena:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mmferry.transport.pinned import PinnedStaging, staging_for
+from mmferry.feed.pinned import PinnedStaging, staging_for
 
 
 def _validate(features: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Size, int]:
