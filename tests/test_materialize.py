@@ -129,6 +129,30 @@ def test_meta_target_runs_every_source_kind():
     assert out.device.type == "meta" and out.shape == (9, 3) and out.dtype == torch.bfloat16
 
 
+def test_lossy_integer_casts_are_refused_and_exact_ones_pass():
+    wide = torch.tensor([[300], [-1]], dtype=torch.int64)
+    with pytest.raises(ValueError, match="wrap values"):
+        materialize_features([wide], device="cpu", dtype=torch.uint8)  # 300 would become 44
+    for src, dst in (
+        (torch.int8, torch.uint8),
+        (torch.uint8, torch.int8),
+        (torch.int32, torch.int16),
+    ):
+        with pytest.raises(ValueError, match=f"{src}.*lossy integer casts"):
+            materialize_features([torch.zeros(1, 2, dtype=src)], device="cpu", dtype=dst)
+    with pytest.raises(ValueError, match="wrap"):
+        materialize_features([torch.ones(1, 2, dtype=torch.uint8)], device="cpu", dtype=torch.bool)
+    # Exact casts: widening integers, bool -> int, any int -> float.
+    u8 = torch.tensor([[0, 255]], dtype=torch.uint8)
+    assert torch.equal(materialize_features([u8], device="cpu", dtype=torch.int16), u8.short())
+    flags = torch.tensor([[True, False]])
+    assert materialize_features([flags], device="cpu", dtype=torch.uint8).tolist() == [[1, 0]]
+    assert materialize_features([wide], device="cpu", dtype=torch.float64).tolist() == [
+        [300.0],
+        [-1.0],
+    ]
+
+
 @pytest.mark.parametrize(
     ("features", "dtype", "match"),
     [
@@ -161,7 +185,7 @@ def test_cuda_mixed_sources_no_sync_and_small_chunks():
         torch.randn(50, 24, generator=g).to(torch.bfloat16).pin_memory(),  # direct DMA
         torch.randint(0, 256, (200, 24), generator=g, dtype=torch.uint8),  # device widening
         torch.randint(0, 256, (90, 24), generator=g, dtype=torch.uint8).pin_memory(),
-        torch.randn(40, 24, generator=g, device="cuda"),
+        torch.randn(40, 24, generator=g).cuda(),  # a CPU generator draws on the CPU
         torch.randn(30, 24, generator=g).to(torch.bfloat16).cuda(),
     ]
     before = [f.clone() for f in feats]
