@@ -91,7 +91,7 @@ _CACHE: weakref.WeakValueDictionary[tuple[str, bool], Attachment] = weakref.Weak
 
 
 def attachment(name: str, *, with_data: bool = True) -> Attachment:
-    """This process's attachment to segment `name` (mapped on first use, while anything holds it)."""
+    """This process's attachment to segment `name`, mapped while anything holds it."""
     with _LOCK:
         att = _CACHE.get((name, with_data))
         if att is None:

@@ -70,7 +70,7 @@ def _reserve(fd: int, size: int, directory: str) -> None:
 
 
 class Segment:
-    """A producer's shared-memory segment: mapped read-write, owned (and unlinked) by its creator."""
+    """A producer's segment: mapped read-write, owned (and unlinked) by its creator."""
 
     def __init__(self, name: str, path: str, fd: int, mm: mmap.mmap, reaper: subprocess.Popen):
         self.name = name
