@@ -17,11 +17,10 @@ import tempfile
 
 import pytest
 import torch
+from shm_helpers import wait_until
 
 from mmferry.transport.segment import Segment, ShmSpaceError
 from mmferry.transport.shm import ShmArena
-
-from shm_helpers import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 READER = r"""

@@ -9,10 +9,9 @@ import threading
 
 import pytest
 import torch
+from shm_helpers import children, mapped, mapping_of, own_segments, wait_until
 
 from mmferry.transport.shm import ShmArena, open_shared
-
-from shm_helpers import children, mapped, mapping_of, own_segments, wait_until
 
 CTX = mp.get_context("spawn")
 
