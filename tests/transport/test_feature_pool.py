@@ -198,3 +198,42 @@ def test_host_pool_views_are_read_only_mappings():
                 pytest.fail("view not found in /proc/self/maps")
         ack(h)
         del v
+
+
+def _cuda_reader_child(handle, conn) -> None:
+    from mmferry.transport.pool import settle_acks
+
+    view = open_feature(handle)
+    rate = torch.cuda.get_device_properties(0).clock_rate * 1e3
+    torch.cuda._sleep(int(0.5 * rate))  # the reads below queue behind half a second of work
+    total = view.double().sum()
+    ack(handle)  # no host wait: the lease ends when the reads have completed
+    conn.send("acked")
+    conn.recv()
+    torch.cuda.synchronize()
+    settle_acks()
+    conn.send(float(total.cpu()))
+    conn.recv()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pool_ack_ends_the_lease_only_after_the_readers_kernels():
+    with FeaturePool(CudaBacking(MiB)) as pool:
+        x = torch.randn(1024, 64, device="cuda")
+        h = pool.put(x)
+        ready = pool._book._live[h.slot][2]
+        assert isinstance(ready, torch.cuda.Event)  # kept with the slot until it is reclaimed
+        parent, child = CTX.Pipe()
+        p = CTX.Process(target=_cuda_reader_child, args=(h, child), daemon=True)
+        p.start()
+        child.close()
+        try:
+            assert parent.poll(120) and parent.recv() == "acked"
+            assert pool.reclaim() == 0  # acked, but the reader's kernels may still read
+            parent.send("settle")
+            assert parent.poll(60)
+            assert parent.recv() == pytest.approx(float(x.double().sum().cpu()), rel=1e-6)
+            assert pool.reclaim() == 1 and h.slot not in pool._book._live
+        finally:
+            parent.send("exit")
+            p.join(60)
