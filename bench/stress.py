@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing import connection
 
@@ -23,6 +24,7 @@ import torch
 
 from mmferry.transport.shm import ArenaFullError, ShmArena, open_shared
 
+IN_FLIGHT = 4
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int64)
 
 
@@ -151,6 +153,7 @@ def run_stress(
         start_consumer()
 
     prod_conns = {c for _, c in prod}
+    waiting: deque = deque()
     for _ in range(consumers):
         start_consumer()
     confirmed: list[set[int]] = [set() for _ in range(producers)]
@@ -183,10 +186,17 @@ def run_stress(
                 if msg[0] == "produced":
                     produced += 1
                     continue
-                _, producer, item, handle, digest = msg
-                target = rng.choice(list(cons))
+                waiting.append(msg[1:])
+            # NOTE: at most IN_FLIGHT items per consumer, so a kill loses a few, as in a server
+            # with bounded queues; the rest wait here while the arenas apply backpressure.
+            free = [c for c, (_, out) in cons.items() if len(out) < IN_FLIGHT]
+            while waiting and free:
+                producer, item, handle, digest = waiting.popleft()
+                target = rng.choice(free)
                 cons[target][1][(producer, item)] = True
                 target.send((producer, item, handle, digest))
+                if len(cons[target][1]) >= IN_FLIGHT:
+                    free.remove(target)
         for conn, (p, _) in list(cons.items()):
             conn.send(None)
             p.join(30)
@@ -214,7 +224,7 @@ def run_stress(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.stress", description=__doc__)
-    ap.add_argument("--items", type=int, default=2000, help="features per producer")
+    ap.add_argument("--items", type=int, default=1000, help="features per producer")
     ap.add_argument("--producers", type=int, default=4)
     ap.add_argument("--consumers", type=int, default=4)
     ap.add_argument("--kill-rate", type=float, default=0.01, help="kills per delivery")
