@@ -25,6 +25,7 @@ DTYPES: dict[str, torch.dtype] = {
     )
 }
 MAX_DIMS = 16
+MAX_DIM = 1 << 48
 
 
 def dtype_of(name: object) -> torch.dtype:
@@ -45,9 +46,9 @@ def check_layout(shape: object, dtype: object, nbytes: object) -> torch.dtype:
     if (
         not isinstance(shape, tuple)
         or len(shape) > MAX_DIMS
-        or not all(is_int(d) and d >= 0 for d in shape)
+        or not all(is_int(d) and 0 <= d <= MAX_DIM for d in shape)
     ):
-        raise ValueError(f"handle shape must be a tuple of ints >= 0, got {shape!r}")
+        raise ValueError(f"handle shape must be a tuple of ints >= 0 (at most 2^48), got {shape!r}")
     want = math.prod(shape) * dt.itemsize
     if not is_int(nbytes) or nbytes != want:
         raise ValueError(

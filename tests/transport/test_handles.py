@@ -43,6 +43,7 @@ def _forged(a: ShmHandle, b: ShmHandle) -> list[tuple[ShmHandle, str]]:
         (r(a, segment="/mmferry-1-../../etc"), "segment name"),
         (ShmHandle(shape=(1 << 20, 1 << 20), dtype="torch.float32", nbytes=0, inline=b""), "bytes"),
         (ShmHandle(shape=(2,), dtype="torch.float32", nbytes=8, inline=b"x" * 3), "inline"),
+        (ShmHandle(shape=(0, 1 << 70), dtype="torch.float32", nbytes=0, inline=b""), "2\\^48"),
     ]
 
 
