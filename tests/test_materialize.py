@@ -227,10 +227,10 @@ def test_cuda_one_output_sized_allocation():
     assert torch.equal(out.cpu(), torch.cat(xs).to(torch.bfloat16))
 
 
-def _busy_stream(ms: int = 300) -> None:
-    # Queue a kernel that spins for about `ms` on the current stream, so copies issued after it
-    # cannot have completed when the test looks (an event recorded after them stays pending).
-    torch.cuda._sleep(int(ms * 1e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3))
+def _busy_stream(cycles: int = 1 << 30) -> None:
+    # Queue a kernel that spins for `cycles` GPU clocks (about half a second) on the current
+    # stream, so copies issued after it cannot have completed when the test looks.
+    torch.cuda._sleep(cycles)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
