@@ -190,3 +190,30 @@ def test_bad_capacity_is_refused_before_anything_is_created():
         with pytest.raises(ValueError, match="capacity_bytes"):
             ShmArena(cap)
     assert own_segments() == before
+
+
+def _try_open(handle, conn) -> None:
+    try:
+        v = open_shared(handle)
+        conn.send(("opened", float(v.sum())))
+    except ValueError as e:
+        conn.send(("refused", str(e)))
+
+
+def test_one_readers_handle_cannot_be_open_in_two_processes():
+    with ShmArena(1 << 16) as arena:
+        h = arena.put(torch.ones(16))
+        mine = open_shared(h)
+        parent, child = CTX.Pipe()
+        p = CTX.Process(target=_try_open, args=(h, child), daemon=True)
+        p.start()
+        child.close()
+        assert parent.poll(60)
+        kind, detail = parent.recv()
+        p.join(60)
+        assert kind == "refused" and "open elsewhere" in detail, detail
+        assert torch.equal(mine, torch.ones(16))
+        assert arena.reclaim() == 0  # still leased to this process's view
+        del mine
+        gc.collect()
+        assert arena.reclaim() == 1
