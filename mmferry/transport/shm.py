@@ -14,6 +14,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,7 +25,7 @@ from mmferry.transport import attach
 from mmferry.transport.handles import check_layout, check_lease, check_range
 from mmferry.transport.leases import LeaseTable, check_shape, table_bytes
 from mmferry.transport.segment import SHM_DIR, Segment, ShmSpaceError, check_name
-from mmferry.transport.slots import SlotBook
+from mmferry.transport.slots import Grant, SlotBook
 
 OnFull = Literal["wait", "inline"]
 __all__ = ["ArenaFullError", "ShmArena", "ShmHandle", "ShmSpaceError", "open_shared"]
@@ -165,7 +166,7 @@ class ShmArena:
             **meta,
         )
 
-    def _place(self, nbytes: int, readers: int, fill) -> object:
+    def _place(self, nbytes: int, readers: int, fill: Callable[[int], None]) -> Grant | None:
         deadline = time.monotonic() + self.timeout_s
         delay = 0.0005
         start = time.monotonic()
