@@ -51,10 +51,12 @@ def main() -> None:
     )
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
+    if cuda:
+        # NOTE: before the process group: NCCL binds each rank's communicator to the current
+        # device, so setting it afterwards would put every rank's NCCL context on GPU 0.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     try:
