@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mmferry.config import PRESETS, ProcessorConfig, load_model_config, preset
+from mmferry.config import ProcessorConfig, load_model_config, preset
 from mmferry.items import Layout, MultimodalItem
+from mmferry.models.base import spec_for
 
 if TYPE_CHECKING:
     from mmferry.prompt.expand import ExpandedPrompt
@@ -21,6 +22,7 @@ class Processor:
     def __init__(
         self, config: ProcessorConfig, tokenizer: TimestampTokenizer | str | Path | None = None
     ) -> None:
+        spec_for(config.family)  # a clear error now for an unknown family, not at first use
         self.config = config
         self._tokenizer = tokenizer
 
@@ -49,7 +51,7 @@ class Processor:
 
         if self._tokenizer is None:
             # Named by the preset users type for this family, so the message fits the model.
-            name = next(k for k, v in PRESETS.items() if v.family == self.config.family)
+            name = spec_for(self.config.family).preset_name
             raise ValueError(
                 f"this {name} Processor has no tokenizer; pass `tokenizer=` (a path to "
                 "tokenizer.json, a `tokenizers.Tokenizer` or a transformers tokenizer) or use "
@@ -98,7 +100,7 @@ class Processor:
         videos (see `mmferry.prompt.mrope`)."""
         from mmferry.prompt.expand import expand_prompt
 
-        needs_text = self.config.family == "qwen3_vl" and any(
+        needs_text = spec_for(self.config.family).timestamps_in_prompt and any(
             it.modality == "video" for it in items
         )
         return expand_prompt(
