@@ -71,6 +71,21 @@ def run(args: argparse.Namespace) -> int:
         api_key=Env.read().api_key,
         drain_timeout_s=args.drain_timeout,
     )
+    env = Env.read()
+    leader = None
+    if env.world_size > 1:
+        from mmferry.server.sharded import ShardedLeader, follow, init_group
+
+        args.device = init_group(args.device, env.world_size, env.local_rank)
     proc, enc = build(args)
-    print(f"mmferry serve: {enc!r}", flush=True)
-    return serve(EncoderService(proc, enc, config), args.host, args.port, log_level=args.log_level)
+    if env.world_size > 1:
+        if env.rank != 0:
+            return follow(enc)
+        leader = ShardedLeader(enc)
+    print(f"mmferry serve: {enc!r} on {env.world_size} rank(s)", flush=True)
+    service = EncoderService(proc, enc, config, encode=leader)
+    try:
+        return serve(service, args.host, args.port, log_level=args.log_level)
+    finally:
+        if leader is not None:
+            leader.close()

@@ -12,6 +12,7 @@ import base64
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,14 +69,22 @@ def _handle_json(handle: Any) -> dict[str, Any]:
 class EncoderService:
     """Fetch, check, preprocess, batch-encode and answer; shared by every request."""
 
-    def __init__(self, processor: Processor, encoder: VisionEncoder, config: ServiceConfig) -> None:
+    def __init__(
+        self,
+        processor: Processor,
+        encoder: VisionEncoder,
+        config: ServiceConfig,
+        *,
+        encode: Callable[[Sequence[MultimodalItem]], list[VisionOutput]] | None = None,
+    ) -> None:
         self.processor = processor
         self.encoder = encoder
         self.config = config
         self.metrics = Metrics()
         self.cache = EncoderCache(config.cache_bytes)
+        # `encode` replaces a plain encoder call (the sharded leader under torchrun).
         self.batcher = Batcher(
-            encoder,
+            encode or encoder,
             self.cache,
             self.metrics,
             max_batch_patches=config.max_batch_patches,
