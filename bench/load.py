@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -146,13 +147,20 @@ def check(name: str, run: Run, seq: list[int], expected: list, *, hashes: bool) 
         )
 
 
-def measure(cmd: list[str], datas: list[bytes], seq: list[int]) -> Run:
+def measure(name: str, cmd: list[str], datas: list[bytes], seq: list[int]) -> Run:
     proc, url = start(cmd)
     try:
-        return asyncio.run(drive(url, proc.pid, datas, seq))
+        r = asyncio.run(drive(url, proc.pid, datas, seq))
     finally:
         proc.terminate()
         proc.wait(timeout=120)
+    print(
+        f"  {name}: {len(seq) / r.wall_s:.2f} req/s, p50 {_pct(r.latencies, 50) * 1e3:.0f} ms, "
+        f"p99 {_pct(r.latencies, 99) * 1e3:.0f} ms, {len(r.errors)} errors, RSS "
+        f"{r.rss_50 / 2**20:.0f} -> {r.rss_end / 2**20:.0f} MiB",
+        flush=True,
+    )
+    return r
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -170,9 +178,9 @@ def run(report: harness.Report, quick: bool) -> None:
     serve = [sys.executable, "-m", "mmferry", "serve", "--port", "0", *depth]
     base_cmd = [sys.executable, "-m", "bench.load", "--serve-baseline", *depth]
     runs = {
-        "batching on": measure(serve, datas, seq),
-        "batching off": measure([*serve, "--no-batching"], datas, seq),
-        "transformers": measure(base_cmd, datas, seq),
+        "batching on": measure("batching on", serve, datas, seq),
+        "batching off": measure("batching off", [*serve, "--no-batching"], datas, seq),
+        "transformers": measure("transformers", base_cmd, datas, seq),
     }
     for name, r in runs.items():
         check(name, r, seq, expected, hashes=name != "transformers")
@@ -263,14 +271,17 @@ def serve_baseline(depth: int | None) -> int:
         deep = tuple(out.deepstack_features) if out.deepstack_features is not None else ()
         return to_bytes([EncodedItem("image", rows, deep, grid, rows.shape[0], "")])
 
-    @app.post("/v1/encode")
-    async def route(request: Request):  # noqa: ANN202
+    async def route(request: Any) -> Any:
         body = await request.json()
         try:
             data = await asyncio.get_running_loop().run_in_executor(None, encode, body)
         except Exception as e:  # noqa: BLE001
             return JSONResponse({"error": {"kind": "internal", "message": str(e)}}, 500)
         return Response(data, media_type="application/vnd.mmferry.safetensors")
+
+    # Annotations are strings here; FastAPI needs the class to pass the raw request.
+    route.__annotations__["request"] = Request
+    app.post("/v1/encode")(route)
 
     import socket
 
