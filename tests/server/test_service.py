@@ -84,8 +84,21 @@ def test_responses_equal_an_in_process_encode(client, reference, media_dir, shm)
     with torch.inference_mode():
         outs = enc(items)
     _check_equal(got, items, outs)
-    if shm:  # zero-copy views of the server's arena, read-only
-        assert not got[0].embeds.is_contiguous() or got[0].embeds.data_ptr() != 0
+    if shm:  # zero-copy: every tensor's bytes lie in this process's mapping of the server's segment
+        segment = client.health()["shm_segment"].lstrip("/")
+        for g in got:
+            for t in (g.embeds, *g.deepstack):
+                assert _mapped_from(t.data_ptr(), segment), "not a view of the server's segment"
+
+
+def _mapped_from(ptr: int, segment: str) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith(segment):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= ptr < hi:
+                    return True
+    return False
 
 
 def test_hf_layout_and_bfloat16_are_honoured(client, reference, media_dir):
