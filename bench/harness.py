@@ -194,9 +194,13 @@ class Report:
 # -- runner support (used by `mmferry bench` and each module's `main`) --------------------------
 
 
-def _spread(values: list[float], fmt: Callable[[float], str]) -> str:
-    mid = fmt(statistics.median(values))
-    return mid if len(values) < 2 else f"{mid} ({fmt(min(values))}-{fmt(max(values))})"
+def _spread(fig: Figure, values: list[float]) -> str:
+    """Median with its unit, then the range as bare numbers in the same unit."""
+    mid = fig._fmt(statistics.median(values))
+    if len(values) < 2:
+        return mid
+    bare = lambda v: fig._fmt(v).split(" ")[0]  # noqa: E731
+    return f"{mid} ({bare(min(values))}-{bare(max(values))})"
 
 
 def table(report: Report) -> str:
@@ -210,8 +214,8 @@ def table(report: Report) -> str:
                     section,
                     f.label,
                     f.base_name,
-                    _spread(f.base, f._fmt),
-                    _spread(f.ours, f._fmt),
+                    _spread(f, f.base),
+                    _spread(f, f.ours),
                     f"{f.ratio:.2f}x" + (f" ({min(rs):.2f}-{max(rs):.2f})" if len(rs) > 1 else ""),
                     str(len(rs)),
                 )

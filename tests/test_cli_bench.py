@@ -37,7 +37,7 @@ def test_table_shows_baseline_ours_ratio_and_spread():
     assert lines[0].split()[:3] == ["benchmark", "figure", "baseline"]
     row = next(ln for ln in lines if ln.startswith("encoder"))
     # baseline median 2000 ms (1800-2400), ours 1000 ms, ratio 2.00x (1.80-2.40) over 5 rounds
-    assert "2000.00 ms (1800.00 ms-2400.00 ms)" in row and "2.00x (1.80-2.40)" in row
+    assert "2000.00 ms (1800.00-2400.00)" in row and "2.00x (1.80-2.40)" in row
     assert row.rstrip().endswith("5")
     assert "3.00x" in next(ln for ln in lines if ln.startswith("load"))
 
