@@ -1,4 +1,8 @@
-"""`mmferry serve`: the HTTP encoder service."""
+"""`mmferry serve`: the HTTP encoder service.
+
+The API key, when one is wanted, comes from the MMFERRY_API_KEY environment variable (kept out
+of the command line, which other users can read). SIGTERM or Ctrl-C drains and exits 0.
+"""
 
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from mmferry.server.service import EncoderService, ServiceConfig
 
     import_fastapi(), import_uvicorn()  # fail before loading a model
+    env = Env.read()
     limits = Limits(
         max_request_bytes=args.max_request_bytes,
         max_items=args.max_items,
@@ -68,10 +73,9 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         cache_bytes=args.cache_mib << 20,
         shm_bytes=args.shm_mib << 20,
-        api_key=Env.read().api_key,
+        api_key=env.api_key,
         drain_timeout_s=args.drain_timeout,
     )
-    env = Env.read()
     leader = None
     if env.world_size > 1:
         from mmferry.server.sharded import ShardedLeader, follow, init_group
