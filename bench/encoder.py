@@ -3,24 +3,23 @@
 CPU, float32 (always): the Qwen3-VL-2B tower (24 layers x 1024) with seeded random weights,
 copied into transformers' tower; a mixed batch of two 448x448 images, one 896x672 image and a
 4-frame 448x448 video. The pixels are random uint8; transformers gets them normalised in HF
-layout, mmferry gets the same HF rows and, on a second line, the compact-u8 rows. Reports the
-forward time of each (best of the repeats, warm-up excluded) and the max abs difference.
+layout, mmferry gets the same HF rows and, on a second line, the compact-u8 rows. Outputs
+(embeddings and every deepstack level) are checked against transformers' first, within a stated
+tolerance; then the forward times are interleaved over 5 rounds (median and spread, warm-up
+excluded).
 GPU, bfloat16 (only when CUDA is available): the same batch, plus images/s for batches of
 448x448 and 1344x1344 images.
 
-Run: python -m bench.encoder [--quick]   (--quick: 4 layers and a smaller batch)
+Run: python -m bench.encoder [--quick] [--json FILE]   (--quick: 4 layers, a smaller batch)
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-import time
-from collections.abc import Callable
 
 import torch
 
+from bench import harness
 from mmferry.config import preset
 from mmferry.encoder.model import VisionEncoder
 from mmferry.items import MultimodalItem
@@ -78,114 +77,93 @@ def hf_tower(enc: VisionEncoder, device: str, dtype: torch.dtype):
     return model.eval().to(device=device, dtype=dtype)
 
 
-def _time(fn: Callable[[], object], sync: Callable[[], None]) -> float:
-    t = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t
-
-
-def compare(runs: dict[str, Callable[[], object]], repeats: int, sync) -> dict[str, float]:
-    """Best-of-`repeats` seconds per run (the least disturbed by other load on the machine);
-    warm-up excluded, runs interleaved so drift hits all alike."""
-    for fn in runs.values():
-        fn()
-    sync()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            times[name].append(_time(fn, sync))
-    return {name: min(ts) for name, ts in times.items()}
-
-
-def _line(label: str, base: float, ours: float) -> str:
-    ratio = base / ours
-    return (
-        f"{label:<26} baseline {base * 1e3:9.1f} ms | mmferry {ours * 1e3:9.1f} ms | {ratio:.2f}x"
-    )
-
-
-def _max_diff(outs, ref, grids) -> float:
+def _check(name: str, outs, ref_out, grids, atol: float) -> float:
+    """Raise unless every item's embeddings and deepstack rows match transformers'."""
     sizes = [t * h * w // 4 for t, h, w in grids]
-    diffs = [
-        (o.embeds.float() - r.float()).abs().max().item() for o, r in zip(outs, ref.split(sizes))
-    ]
-    return max(diffs)
+    worst = 0.0
+    for level, want in enumerate([ref_out.pooler_output, *ref_out.deepstack_features]):
+        for i, (o, r) in enumerate(zip(outs, want.split(sizes))):
+            got = o.embeds if level == 0 else o.deepstack[level - 1]
+            harness.check_equal(f"{name} item {i} level {level}", got.float(), r.float(), atol=atol)
+            worst = max(worst, (got.float() - r.float()).abs().max().item())
+    return worst
 
 
-def bench_batch(enc, ref, grids, device, dtype, repeats, sync) -> list[str]:
+def bench_batch(report, enc, ref, grids, device, dtype, rounds, sync, atol) -> None:
     compact, hf = make_items(grids)
     x = torch.cat([it.feature for it in hf]).to(device=device, dtype=dtype)
     grid_thw = torch.tensor(grids, device=device)
-    runs = {
-        "transformers": lambda: ref(x, grid_thw=grid_thw),
-        "mmferry hf": lambda: enc(hf),
-        "mmferry compact-u8": lambda: enc(compact),
-    }
-    with torch.inference_mode():
-        t = compare(runs, repeats, sync)
-        want = ref(x, grid_thw=grid_thw).pooler_output
-        d_hf = _max_diff(enc(hf), want, grids)
-        d_u8 = _max_diff(enc(compact), want, grids)
     patches = sum(a * b * c for a, b, c in grids)
-    return [
-        f"batch: {len(grids)} items, grids {grids}, {patches} patches",
-        _line("forward, hf layout", t["transformers"], t["mmferry hf"])
-        + f" | max abs diff {d_hf:.2e}",
-        _line("forward, compact-u8 input", t["transformers"], t["mmferry compact-u8"])
-        + f" | max abs diff {d_u8:.2e}",
-    ]
+    with torch.inference_mode():
+        want = ref(x, grid_thw=grid_thw)
+        d_hf = _check("hf", enc(hf), want, grids, atol)
+        d_u8 = _check("compact-u8", enc(compact), want, grids, atol)
+        for label, items, diff in (("hf layout", hf, d_hf), ("compact-u8 input", compact, d_u8)):
+            report.add(
+                harness.compare(
+                    f"{device} {str(dtype).removeprefix('torch.')} forward, {label}, "
+                    f"{len(grids)} items / {patches} patches",
+                    {
+                        "transformers": lambda: ref(x, grid_thw=grid_thw),
+                        "mmferry": lambda i=items: enc(i),
+                    },
+                    rounds=rounds,
+                    sync=sync,
+                    note=f"max abs diff {diff:.1e}, allowed {atol:g}",
+                )
+            )
 
 
-def bench_throughput(enc, ref, side: int, count: int, device, dtype, repeats, sync) -> str:
+def bench_throughput(report, enc, ref, side: int, count: int, device, dtype, rounds, sync) -> None:
     grids = [_grid(side, side)] * count
     compact, hf = make_items(grids, seed=1)
     x = torch.cat([it.feature for it in hf]).to(device=device, dtype=dtype)
     grid_thw = torch.tensor(grids, device=device)
-    runs = {"transformers": lambda: ref(x, grid_thw=grid_thw), "mmferry": lambda: enc(compact)}
     with torch.inference_mode():
-        t = compare(runs, repeats, sync)
-    base, ours = count / t["transformers"], count / t["mmferry"]
-    return (
-        f"{side}x{side} x{count} images/s (compact-u8) baseline {base:8.1f} | "
-        f"mmferry {ours:8.1f} | {ours / base:.2f}x"
-    )
+        _check("throughput", enc(compact), ref(x, grid_thw=grid_thw), grids, 0.25)
+        report.add(
+            harness.compare(
+                f"{side}x{side} x{count} images/s (compact-u8)",
+                {
+                    "transformers": lambda: ref(x, grid_thw=grid_thw),
+                    "mmferry": lambda: enc(compact),
+                },
+                rounds=rounds,
+                sync=sync,
+                per=count,
+                unit="images/s",
+            )
+        )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 layers and a smaller batch")
-    parser.add_argument("--repeats", type=int, default=None)
-    args = parser.parse_args(argv)
+def run(report: harness.Report, quick: bool) -> None:
+    """CPU float32 batch (always); GPU bfloat16 batch and images/s when CUDA is present."""
     cfg = spec_for("qwen3-vl").random_config
-    if args.quick:
+    if quick:
         cfg = dataclasses.replace(cfg, depth=4, deepstack_visual_indexes=(1,))
         grids = [_grid(224, 224), _grid(224, 224), _grid(448, 320), _grid(224, 224, frames=4)]
     else:
         grids = [_grid(448, 448), _grid(448, 448), _grid(896, 672), _grid(448, 448, frames=4)]
-    repeats = args.repeats or (5 if args.quick else 2)
-    print(
-        f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, threads "
-        f"{torch.get_num_threads()}; tower: Qwen3-VL-2B shape, {cfg.depth} layers, random weights"
-    )
+    print(f"tower: Qwen3-VL-2B shape, {cfg.depth} layers, random weights; transformers 5.24 sdpa")
     enc = VisionEncoder.random(config=cfg, seed=0)
     ref = hf_tower(enc, "cpu", torch.float32)
-    print("CPU float32 (transformers 5.24 Qwen3VLVisionModel sdpa = baseline)")
-    for line in bench_batch(enc, ref, grids, "cpu", torch.float32, repeats, lambda: None):
-        print("  " + line)
+    # float32 on the CPU: the same maths in another summation order.
+    bench_batch(report, enc, ref, grids, "cpu", torch.float32, 5, lambda: None, 1e-3)
     del enc, ref
-    if torch.cuda.is_available():
-        print(f"GPU bfloat16 on {torch.cuda.get_device_name()}")
-        enc = VisionEncoder.random(config=cfg, seed=0, device="cuda", dtype=torch.bfloat16)
-        ref = hf_tower(enc, "cuda", torch.bfloat16)
-        sync = torch.cuda.synchronize
-        for line in bench_batch(enc, ref, grids, "cuda", torch.bfloat16, 10, sync):
-            print("  " + line)
-        print("  " + bench_throughput(enc, ref, 448, 32, "cuda", torch.bfloat16, 10, sync))
-        print("  " + bench_throughput(enc, ref, 1344, 4, "cuda", torch.bfloat16, 10, sync))
-    else:
-        print("GPU section skipped: CUDA is not available")
-    return 0
+    if not torch.cuda.is_available():
+        print("GPU figures skipped: CUDA is not available")
+        return
+    enc = VisionEncoder.random(config=cfg, seed=0, device="cuda", dtype=torch.bfloat16)
+    ref = hf_tower(enc, "cuda", torch.bfloat16)
+    sync = torch.cuda.synchronize
+    # bfloat16 keeps 8 bits of mantissa; kernels differ in rounding, so rows agree to ~1e-1.
+    bench_batch(report, enc, ref, grids, "cuda", torch.bfloat16, 10, sync, 0.25)
+    bench_throughput(report, enc, ref, 448, 32, "cuda", torch.bfloat16, 10, sync)
+    bench_throughput(report, enc, ref, 1344, 4, "cuda", torch.bfloat16, 10, sync)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main_for(run, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

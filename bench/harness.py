@@ -189,3 +189,80 @@ class Report:
 
     def dump_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=2))
+
+
+# -- runner support (used by `mmferry bench` and each module's `main`) --------------------------
+
+
+def _spread(fig: Figure, values: list[float]) -> str:
+    """Median with its unit, then the range as bare numbers in the same unit."""
+    mid = fig._fmt(statistics.median(values))
+    if len(values) < 2:
+        return mid
+    bare = lambda v: fig._fmt(v).split(" ")[0]  # noqa: E731
+    return f"{mid} ({bare(min(values))}-{bare(max(values))})"
+
+
+def table(report: Report) -> str:
+    """Every figure of `report` as one aligned table: baseline, mmferry, ratio, spread."""
+    rows = [("benchmark", "figure", "baseline", "baseline value", "mmferry", "ratio", "rounds")]
+    for section, figs in report.sections.items():
+        for f in figs:
+            rs = f.ratios
+            rows.append(
+                (
+                    section,
+                    f.label,
+                    f.base_name,
+                    _spread(f, f.base),
+                    _spread(f, f.ours),
+                    f"{f.ratio:.2f}x" + (f" ({min(rs):.2f}-{max(rs):.2f})" if len(rs) > 1 else ""),
+                    str(len(rs)),
+                )
+            )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(report: Report, path: str | Path) -> None:
+    """A bar per figure: mmferry's advantage (median ratio, whiskers min-max), saved to `path`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("--plot needs matplotlib: pip install 'mmferry[plot]'") from None
+    figs = [(s, f) for s, fs in report.sections.items() for f in fs]
+    labels = [f"{s}: {f.label}"[:70] for s, f in figs]
+    mids = [f.ratio for _, f in figs]
+    lo = [f.ratio - min(f.ratios) for _, f in figs]
+    hi = [max(f.ratios) - f.ratio for _, f in figs]
+    fig, ax = plt.subplots(figsize=(10, 0.4 * len(figs) + 1.5))
+    ax.barh(range(len(figs)), mids, xerr=[lo, hi], color="tab:blue", capsize=3)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(figs)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("mmferry advantage over the baseline (x, median; whiskers: min-max)")
+    ax.set_title(machine(), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main_for(run: Callable[[Report, bool], None], argv: list[str] | None, description: str) -> int:
+    """`python -m bench.NAME [--quick] [--json FILE]` for a module that defines `run`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="a shorter run")
+    parser.add_argument("--json", metavar="FILE", help="write every figure and round as JSON")
+    args = parser.parse_args(argv)
+    report = Report()
+    print(f"machine: {machine()}", flush=True)
+    run(report, args.quick)
+    if args.json:
+        report.dump_json(args.json)
+    return 0

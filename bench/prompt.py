@@ -5,22 +5,18 @@ transformers walks the ids (token-type grouping in Python, per-item tensor build
 mmferry starts from the spans prompt expansion already knows and does a few tensor ops per grid
 shape. Workloads (fixed): a Qwen3-VL prompt with a 1-hour video at 768 frames (384 temporal
 patches of 4x7 merged tokens) plus 4 images, and a Qwen2.5-VL prompt with 8 images of
-1044 tokens and a 3-patch video. Warm-up excluded; median of repeats.
+1044 tokens and a 3-patch video. Warm-up excluded; interleaved rounds, median and spread.
 
-Needs transformers (the dev extra) for the baseline. Run: python -m bench.prompt [--quick]
+Needs transformers (the dev extra). Run: python -m bench.prompt [--quick] [--json FILE]
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import statistics
-import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
 
+from bench import harness
 from mmferry.config import preset
 from mmferry.items import MultimodalItem
 from mmferry.prompt.expand import expand_prompt
@@ -62,16 +58,6 @@ def _workloads() -> list[tuple[str, str, list[int], list[MultimodalItem]]]:
     ]
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up (caches, allocator)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def _spans(out, items, family: str) -> list[VisionSpan]:
     spans = []
     for item, offsets in zip(items, out.offsets):
@@ -83,25 +69,9 @@ def _spans(out, items, family: str) -> list[VisionSpan]:
     return spans
 
 
-def _compare(
-    label: str, baseline: Callable[[], object], ours: Callable[[], object], n: int
-) -> None:
-    base_ms = _median_ms(baseline, n)
-    ours_ms = _median_ms(ours, n)
-    print(
-        f"{label}: baseline {base_ms:.2f} ms | mmferry {ours_ms:.2f} ms | {base_ms / ours_ms:.1f}x"
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    args = parser.parse_args(argv)
-    repeats = 5 if args.quick else 30
-    print(
-        f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}"
-    )
+def run(report: harness.Report, quick: bool) -> None:
+    """Positions and the whole expansion against transformers' get_rope_index, per workload."""
+    rounds = 5 if quick else 15
     for family, label, ids, items in _workloads():
         cfg = preset(family)
         tok = _Digits()
@@ -124,22 +94,27 @@ def main(argv: list[str] | None = None) -> int:
         whole = partial(expand_prompt, ids, items, cfg, tokenizer=tok, mrope_advance="spatial")
 
         pos, delta = baseline()
-        assert torch.equal(pos[:, 0], out.positions) and int(delta) == out.mrope_delta
-        assert torch.equal(positions_only()[0], out.positions)
+        harness.check_equal(f"{label} positions", out.positions, pos[:, 0])
+        harness.check_equal(f"{label} positions only", positions_only()[0], out.positions)
+        if int(delta) != out.mrope_delta:
+            raise AssertionError(f"{label}: delta {out.mrope_delta} != {int(delta)}")
         head = f"{label}, L={len(out.input_ids)}"
-        _compare(
-            f"{head}, positions (get_rope_index vs mrope_positions)",
-            baseline,
-            positions_only,
-            repeats,
-        )
-        _compare(
-            f"{head}, get_rope_index vs whole expand_prompt (ids+offsets+positions)",
-            baseline,
-            whole,
-            repeats,
-        )
-    return 0
+        for what, fn in (
+            ("positions (mrope_positions)", positions_only),
+            ("whole expand_prompt (ids+offsets+positions)", whole),
+        ):
+            report.add(
+                harness.compare(
+                    f"{head}, {what}",
+                    {"get_rope_index": baseline, "mmferry": fn},
+                    rounds=rounds,
+                    warmup=2,
+                )
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main_for(run, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

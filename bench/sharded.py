@@ -3,18 +3,19 @@
 Part 1 (pure host arithmetic, the real Qwen3-VL tower's cost constants): a fixed mixed workload
 on 2, 4 and 8 simulated ranks; imbalance = max rank cost / mean rank cost under mmferry's cost
 model, for the peers' item-granular largest-first by patch count and for mmferry's assignment.
-Part 2 (real processes, gloo, CPU): wall time of `encode_sharded` on 2 ranks vs one process,
-with a tiny random Qwen3-VL tower and one torch thread per rank.
+Part 2 (measured): each rank's local encode time under each placement on 2 ranks, beside the
+modelled imbalance. Part 3 (real processes, gloo, CPU): wall time of `encode_sharded` on 2 ranks
+vs one process, interleaved per round, with a tiny random Qwen3-VL tower, one thread per rank.
 
-Run: python -m bench.sharded [--quick]
+Run: python -m bench.sharded [--quick] [--json FILE]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import socket
+import statistics
 import tempfile
 import time
 
@@ -22,8 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench import harness
 from mmferry.config import VisionConfig
 from mmferry.encoder.assign import CostModel, assign_work
+from mmferry.encoder.sharded import _sub_item
 
 # The public Qwen3-VL vision tower (the cost model needs only its widths).
 QWEN3_VL = VisionConfig(
@@ -50,10 +53,10 @@ def mixed_workload(seed: int = 0) -> list[tuple[int, int, int]]:
     return grids
 
 
-def balance_table(worlds: tuple[int, ...]) -> list[str]:
+def balance(report: harness.Report, worlds: tuple[int, ...]) -> None:
+    """Modelled imbalance (max/mean rank cost) of the peers' placement and of mmferry's."""
     grids = mixed_workload()
     model = CostModel.for_config(QWEN3_VL)
-    lines = []
     for world in worlds:
         peers = assign_work(grids, world, merge_size=2, split_frames=False)
         # Re-cost the peers' placement under the same model mmferry balances.
@@ -61,16 +64,10 @@ def balance_table(worlds: tuple[int, ...]) -> list[str]:
         peers_imb = max(per_rank) * world / sum(per_rank)
         whole = assign_work(grids, world, merge_size=2, split_frames=False, cost_model=model)
         ours = assign_work(grids, world, merge_size=2, cost_model=model)
-        head = f"imbalance (max/mean rank cost), {world} ranks, {len(grids)} items: "
-        peers_txt = f"peers (whole items, LPT by patches) {peers_imb:.2f}"
-        lines.append(
-            f"{head}{peers_txt} | mmferry {ours.imbalance:.3f} | {peers_imb / ours.imbalance:.2f}x"
-        )
-        lines.append(
-            f"{head}{peers_txt} | mmferry cost model without frame split {whole.imbalance:.2f}"
-            f" | {peers_imb / whole.imbalance:.2f}x"
-        )
-    return lines
+        head = f"modelled imbalance, {world} ranks, {len(grids)} items"
+        base = "peers (whole items, LPT by patches)"
+        for label, value in ((head, ours.imbalance), (f"{head}, no frame split", whole.imbalance)):
+            report.add(harness.Figure.of_values(label, base, peers_imb, value, unit="max/mean"))
 
 
 def _tiny_config() -> VisionConfig:
@@ -107,18 +104,59 @@ def _timing_items(quick: bool):
     ]
 
 
-def _time(fn, reps: int) -> float:
-    """Best of `reps` runs after one warm-up: the least disturbed by other load on the machine."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def _rank_times(enc, items, plan, rounds: int) -> list[list[float]]:
+    """Each rank's local encode (its shards alone, one thread), timed `rounds` times."""
+    subs = [[_sub_item(items[s.item], s) for s in rank] for rank in plan.shards]
+    times: list[list[float]] = [[] for _ in subs]
+    with torch.inference_mode():
+        for r, sub in enumerate(subs):
+            enc(sub)  # warm-up
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                enc(sub)
+                times[r].append(time.perf_counter() - t0)
+    return times
 
 
-def _rank_main(rank: int, world: int, init: str, quick: bool, reps: int, out: str) -> None:
+def measured_balance(report: harness.Report, quick: bool) -> None:
+    """Per-rank encode time of each placement on 2 ranks, beside the modelled imbalance."""
+    from mmferry.encoder.model import VisionEncoder
+    from mmferry.encoder.sharded import plan_for
+
+    rounds = 5 if quick else 9
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        enc = VisionEncoder.random(config=_tiny_config(), seed=0, dtype=torch.float32)
+        items = _timing_items(quick)
+        grids = [it.grid_thw for it in items]
+        ours = plan_for(enc, grids, 2)
+        peers = assign_work(grids, 2, merge_size=2, split_frames=False)
+        model = CostModel.for_config(enc.config)
+        costs = [sum(model.item_cost(grids[s.item]) for s in r) for r in peers.shards]
+        peers_model = max(costs) * len(costs) / sum(costs)
+        imbalance = lambda ts: [max(r) * len(r) / sum(r) for r in zip(*ts)]  # noqa: E731
+        base_t, ours_t = (
+            _rank_times(enc, items, peers, rounds),
+            _rank_times(enc, items, ours, rounds),
+        )
+    finally:
+        torch.set_num_threads(threads)
+    per_rank = lambda ts: ", ".join(f"{statistics.median(t) * 1e3:.1f}" for t in ts)  # noqa: E731
+    report.add(
+        harness.Figure(
+            "measured imbalance (max/mean rank encode time), 2 ranks, tiny tower",
+            "peers (whole items, LPT by patches)",
+            imbalance(base_t),
+            imbalance(ours_t),
+            unit="max/mean",
+            note=f"per-rank ms: peers [{per_rank(base_t)}], mmferry [{per_rank(ours_t)}]; "
+            f"modelled: peers {peers_model:.2f}, mmferry {ours.imbalance:.2f}",
+        )
+    )
+
+
+def _rank_main(rank: int, world: int, init: str, quick: bool, rounds: int, out: str) -> None:
     from mmferry.encoder.model import VisionEncoder
     from mmferry.encoder.sharded import encode_sharded
 
@@ -128,15 +166,27 @@ def _rank_main(rank: int, world: int, init: str, quick: bool, reps: int, out: st
         enc = VisionEncoder.random(config=_tiny_config(), seed=0, dtype=torch.float32)
         items = _timing_items(quick)
 
-        def run() -> None:
-            with torch.inference_mode():
-                encode_sharded(enc, items)
+        def sharded() -> None:
+            encode_sharded(enc, items)
             dist.barrier()
 
-        t = _time(run, reps)
+        def single() -> None:
+            if rank == 0:  # the other rank waits at the barrier meanwhile
+                enc(items)
+            dist.barrier()
+
+        with torch.inference_mode():
+            sharded(), single()  # warm-up
+            times: dict[str, list[float]] = {"single": [], "sharded": []}
+            for r in range(rounds):
+                order = [("single", single), ("sharded", sharded)]
+                for name, fn in order if r % 2 == 0 else order[::-1]:
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
         if rank == 0:
             with open(out, "w") as f:
-                f.write(repr(t))
+                f.write(repr(times))
     finally:
         dist.destroy_process_group()
 
@@ -147,50 +197,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def wall_time_lines(quick: bool) -> list[str]:
-    from mmferry.encoder.model import VisionEncoder
+def wall_time(report: harness.Report, quick: bool) -> None:
+    """2 ranks (gloo, one thread each) vs one process with one thread, interleaved per round."""
+    import ast
 
-    reps = 3 if quick else 7
-    enc = VisionEncoder.random(config=_tiny_config(), seed=0, dtype=torch.float32)
+    rounds = 5 if quick else 7
     items = _timing_items(quick)
     patches = sum(it.num_patches for it in items)
-    threads = torch.get_num_threads()
-    lines = []
-    single = {}
-    for n in sorted({1, min(2, threads)}):
-        torch.set_num_threads(n)
-        with torch.inference_mode():
-            single[n] = _time(lambda: enc(items), reps)
-    torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "t")
         init = f"tcp://127.0.0.1:{_free_port()}"
-        mp.spawn(_rank_main, args=(2, init, quick, reps, out), nprocs=2, join=True)
+        mp.spawn(_rank_main, args=(2, init, quick, rounds, out), nprocs=2, join=True)
         with open(out) as f:
-            sharded = float(f.read())
-    what = f"{len(items)} items, {patches} patches, tiny Qwen3-VL tower"
-    for n, t in single.items():
-        lines.append(
-            f"encode {what}, best of {reps}: 1 rank x {n} thread(s) {t * 1e3:.1f} ms | "
-            f"2 ranks gloo x 1 thread {sharded * 1e3:.1f} ms | {t / sharded:.2f}x"
+            times = ast.literal_eval(f.read())
+    report.add(
+        harness.Figure(
+            f"encode {len(items)} items / {patches} patches, 2 ranks gloo x 1 thread",
+            "1 process x 1 thread",
+            times["single"],
+            times["sharded"],
+            note="outputs equal a single-rank encode (tests/encoder/test_sharded.py)",
         )
-    return lines
+    )
+
+
+def run(report: harness.Report, quick: bool) -> None:
+    """Modelled balance on 2, 4, 8 ranks; measured per-rank balance and wall time on 2."""
+    balance(report, (2, 4, 8))
+    measured_balance(report, quick)
+    wall_time(report, quick)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the balance table and the 2-rank wall time beside their baselines."""
-    ap = argparse.ArgumentParser(prog="python -m bench.sharded", description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="smaller timing batch, fewer repeats")
-    ap.add_argument("--no-timing", action="store_true", help="only the balance table")
-    args = ap.parse_args(argv)
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, load average {load}")
-    for line in balance_table((2, 4, 8)):
-        print(line)
-    if not args.no_timing:
-        for line in wall_time_lines(args.quick):
-            print(line)
-    return 0
+    return harness.main_for(run, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -1,14 +1,10 @@
-"""Command line: `mmferry demo | bench`."""
+"""Command line: `mmferry demo | encode | serve | bench`."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 import time
 from pathlib import Path
-
-BENCHES = ("preprocess", "prompt", "materialize", "encoder", "sharded", "step")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -116,25 +112,6 @@ def _through_shared_memory(items: list) -> list:
     return [dataclasses.replace(it, feature=v) for it, v in zip(items, views)]
 
 
-def _bench(args: argparse.Namespace) -> int:
-    # bench/ lives beside the package in a source checkout.
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "bench").is_dir():
-        print("mmferry bench needs a source checkout (the bench/ folder)", file=sys.stderr)
-        return 2
-    sys.path.insert(0, str(root))
-    names = args.names or list(BENCHES)
-    rc = 0
-    for name in names:
-        if name not in BENCHES:
-            print(f"unknown benchmark {name!r}; choose from {', '.join(BENCHES)}", file=sys.stderr)
-            return 2
-        print(f"== bench/{name}.py ==", flush=True)
-        mod = importlib.import_module(f"bench.{name}")
-        rc |= mod.main(["--quick"] if args.quick else [])
-    return rc
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmferry", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -148,8 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    bench = sub.add_parser("bench", help="run the benchmarks (figures beside their baselines)")
-    bench.add_argument("names", nargs="*", help=f"subset of {', '.join(BENCHES)}")
-    bench.add_argument("--quick", action="store_true", help="short runs")
+    from mmferry.commands import bench, encode, serve
+
+    commands = {"demo": _demo}
+    for name, module, text in (
+        ("encode", encode, "encode images and videos into one safetensors file"),
+        ("serve", serve, "run the HTTP encoder service"),
+        ("bench", bench, "run the benchmarks (figures beside their baselines)"),
+    ):
+        module.add_args(sub.add_parser(name, help=text, description=module.__doc__))
+        commands[name] = module.run
     args = parser.parse_args(argv)
-    return {"demo": _demo, "bench": _bench}[args.cmd](args)
+    return commands[args.cmd](args)

@@ -1,0 +1,308 @@
+"""Load: `mmferry serve` (batching on and off) vs transformers served the obvious way, on loopback.
+
+Workload (seeded): 200 requests of one PNG each at concurrency 16; 24 distinct images of mixed
+sizes, all first seen within the first 50 requests, the rest repeats. Servers: `mmferry serve`
+with the built-in qwen3-vl tower (random weights), batching on, then `--no-batching`; the
+baseline is the same FastAPI + uvicorn serving transformers the obvious way: per request, one
+`Qwen2VLImageProcessorPil` call and one `Qwen3VLVisionModel` forward, same weights.
+Checked before any figure: zero errors; every response's grid, token count and hash equal an
+in-process preprocess of its image; every response equals the first one for its image; mmferry
+equals transformers per image within a stated tolerance; the server's RSS at the 200th response
+is within 5% of the RSS at the 50th. Figures: requests/s and p50/p99 latency (one run each).
+--quick cuts the tower to 1 layer (the full 24-layer tower takes about an hour on 2 CPUs).
+
+Run: python -m bench.load [--quick] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from bench import harness
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUESTS, CONCURRENCY, DISTINCT, FIRST_SEEN_BY = 200, 16, 24, 50
+SIZES = [(256, 256), (320, 240), (240, 320), (384, 256)]
+# mmferry vs transformers after the tower, same weights. Images that keep their size agree to
+# about 6e-6 (float32 sums in another order). Resized ones differ by one uint8 level in a few
+# pixels (resize rounding), which moves rows by up to about 4.5e-3 on a row scale of about 5.
+TOLERANCE = 1e-2
+
+
+def images() -> list[bytes]:
+    """The distinct seeded PNGs."""
+    out = []
+    for i in range(DISTINCT):
+        w, h = SIZES[i % len(SIZES)]
+        px = np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(px).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def sequence(seed: int = 0) -> list[int]:
+    """Image index per request: every image first seen before request 50, then repeats."""
+    rng = random.Random(seed)
+    head = list(range(DISTINCT)) + [
+        rng.randrange(DISTINCT) for _ in range(FIRST_SEEN_BY - DISTINCT)
+    ]
+    rng.shuffle(head)
+    return head + [rng.randrange(DISTINCT) for _ in range(REQUESTS - FIRST_SEEN_BY)]
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def start(cmd: list[str]) -> tuple[subprocess.Popen, str]:
+    """A server subprocess and the URL it prints once listening."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("MMFERRY_API_KEY", None)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "listening on " in line:
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return proc, line.split("listening on ")[1].strip()
+    raise RuntimeError("server did not start:\n" + "".join(lines))
+
+
+@dataclass
+class Run:
+    latencies: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    rss_50: int = 0
+    rss_end: int = 0
+    errors: list[str] = field(default_factory=list)
+    responses: dict[int, list] = field(default_factory=dict)  # request index -> items
+
+
+async def drive(url: str, pid: int, datas: list[bytes], seq: list[int]) -> Run:
+    """Send every request at the given concurrency; latencies, RSS, responses."""
+    from mmferry.server.client import AsyncEncoderClient, EncodeError, image_part
+
+    run = Run()
+    sem = asyncio.Semaphore(CONCURRENCY)
+    done = 0
+    async with AsyncEncoderClient(url, timeout=3600) as client:
+
+        async def one(i: int) -> None:
+            nonlocal done
+            async with sem:
+                t0 = time.perf_counter()
+                try:
+                    run.responses[i] = await client.encode([image_part(datas[seq[i]], "image/png")])
+                except (EncodeError, OSError) as e:
+                    run.errors.append(f"request {i}: {e}")
+                run.latencies.append(time.perf_counter() - t0)
+                done += 1
+                if done == FIRST_SEEN_BY:
+                    run.rss_50 = rss_bytes(pid)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(len(seq))))
+        run.wall_s = time.perf_counter() - t0
+    run.rss_end = rss_bytes(pid)
+    return run
+
+
+def check(name: str, run: Run, seq: list[int], expected: list, *, hashes: bool) -> None:
+    """Zero errors; grids, tokens (and hashes) as preprocessed here; repeats equal the first."""
+    if run.errors:
+        raise AssertionError(f"{name}: {len(run.errors)} errors, first: {run.errors[0]}")
+    first: dict[int, torch.Tensor] = {}
+    for i, (got,) in sorted(run.responses.items()):
+        want = expected[seq[i]]
+        if (got.grid_thw, got.num_tokens) != (want.grid_thw, want.num_tokens):
+            raise AssertionError(f"{name}: request {i} grid {got.grid_thw} != {want.grid_thw}")
+        if hashes and got.hash != want.hash:
+            raise AssertionError(f"{name}: request {i} hash differs")
+        ref = first.setdefault(seq[i], got.embeds)
+        harness.check_equal(f"{name} request {i} vs first", got.embeds, ref, atol=1e-5)
+    growth = run.rss_end - run.rss_50
+    if growth > 0.05 * run.rss_50:
+        raise AssertionError(
+            f"{name}: RSS grew {growth / 2**20:.1f} MiB from request 50 to {len(seq)}"
+        )
+
+
+def measure(name: str, cmd: list[str], datas: list[bytes], seq: list[int]) -> Run:
+    proc, url = start(cmd)
+    try:
+        r = asyncio.run(drive(url, proc.pid, datas, seq))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    print(
+        f"  {name}: {len(seq) / r.wall_s:.2f} req/s, p50 {_pct(r.latencies, 50) * 1e3:.0f} ms, "
+        f"p99 {_pct(r.latencies, 99) * 1e3:.0f} ms, {len(r.errors)} errors, RSS "
+        f"{r.rss_50 / 2**20:.0f} -> {r.rss_end / 2**20:.0f} MiB",
+        flush=True,
+    )
+    return r
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q))
+
+
+def run(report: harness.Report, quick: bool) -> None:
+    """Three servers, one load run each; checks first, then the figures."""
+    import mmferry as mf
+
+    depth = ["--depth", "1"] if quick else []
+    datas, seq = images(), sequence()
+    proc = mf.Processor.for_model("qwen3-vl")
+    expected = [proc.image(d, "compact-u8") for d in datas]
+    serve = [sys.executable, "-m", "mmferry", "serve", "--port", "0", *depth]
+    base_cmd = [sys.executable, "-m", "bench.load", "--serve-baseline", *depth]
+    runs = {
+        "batching on": measure("batching on", serve, datas, seq),
+        "batching off": measure("batching off", [*serve, "--no-batching"], datas, seq),
+        "transformers": measure("transformers", base_cmd, datas, seq),
+    }
+    for name, r in runs.items():
+        check(name, r, seq, expected, hashes=name != "transformers")
+    base = runs["transformers"]
+    worst = 0.0
+    for i, (got,) in base.responses.items():
+        (ours,) = runs["batching on"].responses[i]
+        harness.check_equal(
+            f"transformers vs mmferry, request {i}", ours.embeds, got.embeds, atol=TOLERANCE
+        )
+        worst = max(worst, (ours.embeds - got.embeds).abs().max().item())
+    tower = "1-layer qwen3-vl tower (--quick)" if quick else "24-layer qwen3-vl tower"
+    print(
+        f"{REQUESTS} requests, concurrency {CONCURRENCY}, {DISTINCT} distinct images, {tower}; "
+        f"max |mmferry - transformers| {worst:.2e} (allowed {TOLERANCE})"
+    )
+    for name in ("batching on", "batching off"):
+        r = runs[name]
+        note = (
+            f"one run; RSS {r.rss_50 / 2**20:.0f} MiB at request 50, "
+            f"{r.rss_end / 2**20:.0f} MiB at {REQUESTS}"
+        )
+        report.add(
+            harness.Figure.of_values(
+                f"requests/s, {name}",
+                "transformers",
+                REQUESTS / base.wall_s,
+                REQUESTS / r.wall_s,
+                unit="req/s",
+                higher_is_better=True,
+                note=note,
+            )
+        )
+        for q in (50, 99):
+            report.add(
+                harness.Figure.of_values(
+                    f"p{q} latency, {name}",
+                    "transformers",
+                    _pct(base.latencies, q),
+                    _pct(r.latencies, q),
+                    unit="ms",
+                )
+            )
+
+
+def serve_baseline(depth: int | None) -> int:
+    """transformers behind FastAPI, the obvious way: one processor + one model call per request."""
+    import base64
+
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    import mmferry as mf
+    from bench.encoder import hf_tower
+    from mmferry.commands.model_args import shallow
+    from mmferry.config import preset
+    from mmferry.encoder.model import RANDOM_CONFIGS
+    from mmferry.server.encoded import EncodedItem, to_bytes
+
+    cfg = RANDOM_CONFIGS["qwen3-vl"]
+    if depth:
+        cfg = shallow(cfg, depth)
+    model = hf_tower(mf.VisionEncoder.random(config=cfg), "cpu", torch.float32)
+    p = preset("qwen3-vl")
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=p.patch_size,
+        merge_size=p.merge_size,
+        temporal_patch_size=p.temporal_patch_size,
+        min_pixels=p.image_min_pixels,
+        max_pixels=p.image_max_pixels,
+        image_mean=list(p.image_mean),
+        image_std=list(p.image_std),
+    )
+    app = FastAPI()
+
+    def encode(body: dict) -> bytes:
+        url = body["content"][0]["image_url"]["url"]
+        image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+        inputs = processor(images=[image], return_tensors="pt")
+        with torch.inference_mode():
+            out = model(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+        grid = tuple(int(v) for v in inputs["image_grid_thw"][0])
+        rows = out.pooler_output
+        deep = tuple(out.deepstack_features) if out.deepstack_features is not None else ()
+        return to_bytes([EncodedItem("image", rows, deep, grid, rows.shape[0], "")])
+
+    async def route(request: Any) -> Any:
+        body = await request.json()
+        try:
+            data = await asyncio.get_running_loop().run_in_executor(None, encode, body)
+        except Exception as e:  # noqa: BLE001
+            return JSONResponse({"error": {"kind": "internal", "message": str(e)}}, 500)
+        return Response(data, media_type="application/vnd.mmferry.safetensors")
+
+    # Annotations are strings here; FastAPI needs the class to pass the raw request.
+    route.__annotations__["request"] = Request
+    app.post("/v1/encode")(route)
+
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    print(f"baseline: listening on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--serve-baseline" in argv:
+        p = argparse.ArgumentParser()
+        p.add_argument("--serve-baseline", action="store_true")
+        p.add_argument("--depth", type=int)
+        return serve_baseline(p.parse_args(argv).depth)
+    return harness.main_for(run, argv, __doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

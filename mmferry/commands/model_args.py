@@ -1,0 +1,69 @@
+"""The model options `serve` and `encode` share, and building the processor and tower from them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from mmferry.config import VisionConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model / --random / --depth / --device / --dtype / --image-max-pixels."""
+    from mmferry.encoder.model import RANDOM_CONFIGS
+
+    p.add_argument("--model", metavar="DIR", help="a local Qwen-VL checkpoint folder")
+    p.add_argument(
+        "--random",
+        default="qwen3-vl",
+        choices=list(RANDOM_CONFIGS),
+        help="without --model: the built-in tower with seeded RANDOM weights (default qwen3-vl)",
+    )
+    p.add_argument(
+        "--depth", type=int, help="without --model: keep only this many layers (quick runs)"
+    )
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument(
+        "--image-max-pixels", type=int, help="image pixel budget (default: the model's own)"
+    )
+
+
+def shallow(cfg: VisionConfig, depth: int) -> VisionConfig:
+    """`cfg` cut to `depth` layers, its deepstack taps and full-attention blocks kept in range."""
+    if depth < 1:
+        raise ValueError(f"--depth must be at least 1, got {depth}")
+    if depth >= cfg.depth:
+        return cfg
+    clamp = lambda idx: tuple(sorted({min(i, depth - 1) for i in idx}))  # noqa: E731
+    return dataclasses.replace(
+        cfg,
+        depth=depth,
+        deepstack_visual_indexes=clamp(cfg.deepstack_visual_indexes),
+        fullatt_block_indexes=clamp(cfg.fullatt_block_indexes),
+    )
+
+
+def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
+    """The processor and vision tower the arguments name."""
+    import torch
+
+    import mmferry as mf
+    from mmferry.encoder.model import RANDOM_CONFIGS
+
+    overrides = {}
+    if args.image_max_pixels:
+        overrides["image_max_pixels"] = args.image_max_pixels
+    dtype = getattr(torch, args.dtype)
+    if args.model:
+        proc = mf.Processor.from_pretrained(args.model, **overrides)
+        enc = mf.VisionEncoder.from_pretrained(args.model, device=args.device, dtype=dtype)
+        return proc, enc
+    proc = mf.Processor.for_model(args.random, **overrides)
+    cfg = RANDOM_CONFIGS[args.random]
+    if args.depth:
+        cfg = shallow(cfg, args.depth)
+    enc = mf.VisionEncoder.random(config=cfg, device=args.device, dtype=dtype)
+    return proc, enc

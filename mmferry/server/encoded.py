@@ -1,0 +1,139 @@
+"""`EncodedItem`: one item's encoder output as the service and `mmferry encode` hand it out.
+
+Both write the same safetensors layout: tensors `{i}.embeds` and `{i}.deepstack.{k}`, and the
+per-item facts (modality, grid, token count, hash, source) as JSON in the file's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "mmferry-encoded/1"
+
+
+@dataclass(frozen=True)
+class EncodedItem:
+    """Vision embeddings [tokens, hidden] and deepstack rows of one image or video."""
+
+    modality: str
+    embeds: torch.Tensor
+    deepstack: tuple[torch.Tensor, ...]
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    hash: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.embeds.dim() != 2 or self.embeds.shape[0] != self.num_tokens:
+            raise ValueError(
+                f"embeds of shape {tuple(self.embeds.shape)} do not hold {self.num_tokens} rows"
+            )
+        for k, d in enumerate(self.deepstack):
+            if d.shape != self.embeds.shape:
+                raise ValueError(
+                    f"deepstack {k} has shape {tuple(d.shape)}, embeds {tuple(self.embeds.shape)}"
+                )
+
+    def vision_output(self) -> Any:
+        """The same rows as a `VisionOutput`, for the encoder cache and the merge step."""
+        from mmferry.encoder.model import VisionOutput
+
+        return VisionOutput(self.embeds, self.deepstack)
+
+    def facts(self) -> dict[str, Any]:
+        """Everything but the tensors, as JSON-ready values."""
+        return {
+            "modality": self.modality,
+            "grid_thw": list(self.grid_thw),
+            "num_tokens": self.num_tokens,
+            "hash": self.hash,
+            "source": self.source,
+            "deepstack": len(self.deepstack),
+        }
+
+
+def _tensors(items: Sequence[EncodedItem]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for i, it in enumerate(items):
+        # NOTE: safetensors refuses tensors that share storage (row views of one batch output,
+        # a repeated item), so each is made its own; owned tensors pass through untouched.
+        out[f"{i}.embeds"] = _owned(it.embeds, seen)
+        for k, d in enumerate(it.deepstack):
+            out[f"{i}.deepstack.{k}"] = _owned(d, seen)
+    return out
+
+
+def _owned(t: torch.Tensor, seen: set[int]) -> torch.Tensor:
+    t = t.detach().cpu()
+    storage = t.untyped_storage()
+    whole = t.is_contiguous() and storage.nbytes() == t.numel() * t.element_size()
+    if not whole or t.storage_offset() or storage.data_ptr() in seen:
+        t = t.clone()
+    seen.add(t.untyped_storage().data_ptr())
+    return t
+
+
+def _metadata(items: Sequence[EncodedItem]) -> dict[str, str]:
+    return {"format": FORMAT, "items": json.dumps([it.facts() for it in items])}
+
+
+def to_bytes(items: Sequence[EncodedItem]) -> bytes:
+    """One safetensors blob holding every item."""
+    from safetensors.torch import save
+
+    return save(_tensors(items), metadata=_metadata(items))
+
+
+def save_file(items: Sequence[EncodedItem], path: str | Path) -> None:
+    """Write every item to `path` as safetensors (the caller makes it atomic)."""
+    from safetensors.torch import save_file as _save
+
+    _save(_tensors(items), str(path), metadata=_metadata(items))
+
+
+def _build(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> list[EncodedItem]:
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"not an mmferry encoded file (format {meta.get('format')!r})")
+    items = []
+    for i, f in enumerate(json.loads(meta["items"])):
+        items.append(
+            EncodedItem(
+                modality=f["modality"],
+                embeds=tensors[f"{i}.embeds"],
+                deepstack=tuple(tensors[f"{i}.deepstack.{k}"] for k in range(f["deepstack"])),
+                grid_thw=tuple(f["grid_thw"]),
+                num_tokens=f["num_tokens"],
+                hash=f["hash"],
+                source=f.get("source", ""),
+            )
+        )
+    return items
+
+
+def from_bytes(data: bytes) -> list[EncodedItem]:
+    """The items of a blob written by `to_bytes`."""
+    from safetensors.torch import load
+
+    if len(data) < 8:
+        raise ValueError("truncated safetensors blob")
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + header_len])
+    return _build(load(data), header.get("__metadata__") or {})
+
+
+def load_file(path: str | Path) -> list[EncodedItem]:
+    """The items of a file written by `save_file` (or `mmferry encode`)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iter
+    return _build(tensors, meta)

@@ -1,0 +1,208 @@
+"""`EncoderService`: one request from checked bytes to its response, free of HTTP details.
+
+The app (app.py) calls `handle` with the parsed JSON body; the service fetches and checks each
+part, preprocesses on a small thread pool, encodes through the batcher and builds the response
+(safetensors bytes, or shared-memory handles for a client on the same host).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mmferry.embed.cache import EncoderCache
+from mmferry.encoder.model import VisionEncoder, VisionOutput
+from mmferry.items import LAYOUTS, MultimodalItem
+from mmferry.processor import Processor
+from mmferry.server.batching import Batcher
+from mmferry.server.encoded import EncodedItem, to_bytes
+from mmferry.server.limits import Limits, RequestError
+from mmferry.server.metrics import Metrics
+from mmferry.server.sources import check_media, fetch, parse_request
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RESPONSES = ("safetensors", "shm")
+OPTIONS = ("layout", "dtype", "response")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Runtime settings of one service process (the model is passed in built)."""
+
+    limits: Limits = field(default_factory=Limits)
+    max_batch_patches: int = 16384  # 0: batching off, one item per encoder call
+    batch_wait_s: float = 0.0
+    max_queue: int = 64  # admitted requests at once; the next one gets 503
+    cache_bytes: int = 512 << 20
+    shm_bytes: int = 256 << 20  # 0: no shared-memory responses
+    shm_ttl_s: float = 60.0  # handles nobody opened within this are cancelled
+    preprocess_threads: int = 2
+    api_key: str | None = None
+    drain_timeout_s: float = 30.0
+
+
+@dataclass
+class EncodeResult:
+    """A response: a safetensors blob, or a JSON document of shared-memory handles."""
+
+    items: list[EncodedItem]
+    body: bytes | dict[str, Any]
+
+
+def _handle_json(handle: Any) -> dict[str, Any]:
+    d = dataclasses.asdict(handle)
+    inline = d.pop("inline")
+    d["inline_b64"] = None if inline is None else base64.b64encode(inline).decode()
+    d["shape"] = list(d["shape"])
+    return d
+
+
+class EncoderService:
+    """Fetch, check, preprocess, batch-encode and answer; shared by every request."""
+
+    def __init__(
+        self,
+        processor: Processor,
+        encoder: VisionEncoder,
+        config: ServiceConfig,
+        *,
+        encode: Callable[[Sequence[MultimodalItem]], list[VisionOutput]] | None = None,
+    ) -> None:
+        self.processor = processor
+        self.encoder = encoder
+        self.config = config
+        self.metrics = Metrics()
+        self.cache = EncoderCache(config.cache_bytes)
+        # `encode` replaces a plain encoder call (the sharded leader under torchrun).
+        self.batcher = Batcher(
+            encode or encoder,
+            self.cache,
+            self.metrics,
+            max_batch_patches=config.max_batch_patches,
+            batch_wait_s=config.batch_wait_s,
+        )
+        self._pool = ThreadPoolExecutor(config.preprocess_threads, "mmferry-preprocess")
+        self._arena: Any = None
+        self._handles: deque[tuple[float, Any]] = deque()
+        if config.shm_bytes > 0:
+            from mmferry.transport.shm import ShmArena
+
+            self._arena = ShmArena(config.shm_bytes, on_full="inline", max_readers=1)
+
+    @property
+    def shm_segment(self) -> str | None:
+        return None if self._arena is None else self._arena.name
+
+    async def start(self) -> None:
+        self.batcher.start()
+
+    async def close(self) -> None:
+        """Stop the encoder thread and release the shared-memory arena."""
+        await self.batcher.stop()
+        self._pool.shutdown(wait=True)
+        if self._arena is not None:
+            self._arena.close()
+
+    # -- one request ----------------------------------------------------------------------
+
+    def _options(self, options: dict[str, Any], local: bool) -> tuple[str, torch.dtype, str]:
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise RequestError(
+                422, "bad_request", f"unknown field(s) {unknown}; accepted: content, {OPTIONS}"
+            )
+        layout = options.get("layout", "compact-u8")
+        if layout not in LAYOUTS:
+            raise RequestError(
+                422, "bad_request", f"layout must be one of {LAYOUTS}, got {layout!r}"
+            )
+        dtype_name = options.get("dtype", str(self.encoder.dtype).removeprefix("torch."))
+        if dtype_name not in DTYPES:
+            raise RequestError(
+                422, "bad_request", f"dtype must be one of {tuple(DTYPES)}, got {dtype_name!r}"
+            )
+        response = options.get("response", "safetensors")
+        if response not in RESPONSES:
+            raise RequestError(
+                422, "bad_request", f"response must be one of {RESPONSES}, got {response!r}"
+            )
+        if response == "shm" and (self._arena is None or not local):
+            why = "the server runs with --shm-mib 0" if self._arena is None else "it is remote"
+            raise RequestError(
+                422, "bad_request", f"shared-memory responses need a same-host client; {why}"
+            )
+        return layout, DTYPES[dtype_name], response
+
+    def _prepare(self, modality: str, url: str, index: int, layout: str) -> MultimodalItem:
+        limits = self.config.limits
+        t0 = time.perf_counter()
+        media = fetch(modality, url, index, limits)
+        check_media(media, limits)
+        t1 = time.perf_counter()
+        self.metrics.stage_seconds.labels("fetch").observe(t1 - t0)
+        try:
+            if modality == "image":
+                item = self.processor.image(media.data, layout=layout)
+            else:
+                item = self.processor.video(media.data, layout=layout)
+        except ValueError as e:
+            raise RequestError(422, "bad_media", f"{media.name}: {e}") from None
+        self.metrics.stage_seconds.labels("preprocess").observe(time.perf_counter() - t1)
+        return item
+
+    async def handle(self, body: Any, *, local: bool) -> EncodeResult:
+        """Encode every part of one request; RequestError for anything refused."""
+        parts, options = parse_request(body, self.config.limits)
+        layout, dtype, response = self._options(options, local)
+        loop = asyncio.get_running_loop()
+        items = await asyncio.gather(
+            *(
+                loop.run_in_executor(self._pool, self._prepare, modality, url, i, layout)
+                for i, (modality, url) in enumerate(parts)
+            )
+        )
+        outs = await self.batcher.encode(items)
+        with self.metrics.stage("respond"):
+            encoded = [self._encoded(it, out, dtype) for it, out in zip(items, outs)]
+            if response == "shm":
+                return EncodeResult(encoded, self._shm_body(encoded))
+            return EncodeResult(encoded, to_bytes(encoded))
+
+    @staticmethod
+    def _encoded(item: MultimodalItem, out: VisionOutput, dtype: torch.dtype) -> EncodedItem:
+        return EncodedItem(
+            modality=item.modality,
+            embeds=out.embeds.to(dtype),
+            deepstack=tuple(d.to(dtype) for d in out.deepstack),
+            grid_thw=item.grid_thw,
+            num_tokens=item.num_tokens,
+            hash=item.hash,
+        )
+
+    def _shm_body(self, encoded: list[EncodedItem]) -> dict[str, Any]:
+        arena = self._arena
+        now = time.monotonic()
+        while self._handles and self._handles[0][0] < now:
+            arena.cancel(self._handles.popleft()[1])
+        docs = []
+        for it in encoded:
+            handles = [arena.put(t) for t in (it.embeds, *it.deepstack)]
+            for h in handles:
+                if h.inline is not None and h.nbytes:
+                    self.metrics.pool_fallbacks.inc()
+                else:
+                    self._handles.append((now + self.config.shm_ttl_s, h))
+            doc = it.facts()
+            doc["embeds"] = _handle_json(handles[0])
+            doc["deepstack"] = [_handle_json(h) for h in handles[1:]]
+            docs.append(doc)
+        return {"items": docs}

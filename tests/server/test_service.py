@@ -1,0 +1,211 @@
+"""The service over real HTTP: equal to an in-process encode, and every bad input refused."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import re
+
+import httpx
+import pytest
+import torch
+from PIL import Image
+
+import mmferry as mf
+from mmferry.commands.model_args import shallow
+from mmferry.encoder.model import RANDOM_CONFIGS
+from mmferry.preprocess.samples import sample_video
+from mmferry.server.client import (
+    AsyncEncoderClient,
+    EncodeError,
+    EncoderClient,
+    image_part,
+    path_part,
+    video_part,
+)
+
+from .conftest import API_KEY, DEPTH, IMAGE_MAX_PIXELS, png
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.fixture(scope="module")
+def reference():
+    proc = mf.Processor.for_model("qwen3-vl", image_max_pixels=IMAGE_MAX_PIXELS)
+    enc = mf.VisionEncoder.random(config=shallow(RANDOM_CONFIGS["qwen3-vl"], DEPTH))
+    return proc, enc
+
+
+@pytest.fixture
+def client(server):
+    with EncoderClient(server.url, api_key=API_KEY) as c:
+        yield c
+
+
+def _check_equal(got, want_items, want_outs):
+    assert len(got) == len(want_items)
+    for g, it, out in zip(got, want_items, want_outs):
+        assert (g.modality, g.grid_thw, g.num_tokens, g.hash) == (
+            it.modality,
+            it.grid_thw,
+            it.num_tokens,
+            it.hash,
+        )
+        # The server batches differently from this one call, so float sums may differ in
+        # their last bits; 1e-5 is far below the rows' scale (about 1).
+        torch.testing.assert_close(g.embeds.float(), out.embeds, atol=1e-5, rtol=1e-5)
+        assert len(g.deepstack) == len(out.deepstack) >= 1
+        for a, b in zip(g.deepstack, out.deepstack):
+            torch.testing.assert_close(a.float(), b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["safetensors", "shm"])
+def test_responses_equal_an_in_process_encode(client, reference, media_dir, shm):
+    proc, enc = reference
+    img0 = (media_dir / "img0.png").read_bytes()
+    parts = [
+        image_part(img0, "image/png"),
+        path_part(media_dir / "img1.png"),
+        video_part(sample_video()),
+        image_part(img0, "image/png"),  # a repeat in the same request
+    ]
+    got = client.encode(parts, shm=shm)
+    items = [
+        proc.image(img0, "compact-u8"),
+        proc.image(str(media_dir / "img1.png"), "compact-u8"),
+        proc.video(str(sample_video()), "compact-u8"),
+    ]
+    items.append(items[0])
+    with torch.inference_mode():
+        outs = enc(items)
+    _check_equal(got, items, outs)
+    if shm:  # zero-copy: every tensor's bytes lie in this process's mapping of the server's segment
+        segment = client.health()["shm_segment"].lstrip("/")
+        for g in got:
+            for t in (g.embeds, *g.deepstack):
+                assert _mapped_from(t.data_ptr(), segment), "not a view of the server's segment"
+
+
+def _mapped_from(ptr: int, segment: str) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith(segment):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= ptr < hi:
+                    return True
+    return False
+
+
+def test_hf_layout_and_bfloat16_are_honoured(client, reference, media_dir):
+    proc, enc = reference
+    data = (media_dir / "img2.png").read_bytes()
+    (got,) = client.encode([image_part(data, "image/png")], layout="hf", dtype="bfloat16")
+    item = proc.image(data, "hf")
+    with torch.inference_mode():
+        (out,) = enc([item])
+    assert got.embeds.dtype == torch.bfloat16 and got.hash == item.hash
+    torch.testing.assert_close(got.embeds, out.embeds.to(torch.bfloat16))
+
+
+def test_identical_items_in_flight_are_encoded_once(server):
+    data = png(80, 80, seed=1234)  # never sent before
+    before = metric(server.url, "mmferry_encoded_items_total")
+
+    async def many():
+        async with AsyncEncoderClient(server.url, api_key=API_KEY) as c:
+            return await asyncio.gather(
+                *(c.encode([image_part(data, "image/png")]) for _ in range(6))
+            )
+
+    results = asyncio.run(many())
+    assert metric(server.url, "mmferry_encoded_items_total") - before == 1
+    first = results[0][0]
+    for (r,) in results[1:]:
+        assert r.hash == first.hash and torch.equal(r.embeds, first.embeds)
+
+
+def _post(url, body=None, *, key=API_KEY, content=None, ctype="application/json"):
+    headers = {"content-type": ctype}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
+    if content is None:
+        import json
+
+        content = json.dumps(body).encode()
+    return httpx.post(f"{url}/v1/encode", content=content, headers=headers, timeout=60)
+
+
+def _img(url: str) -> dict:
+    return {"content": [{"type": "image_url", "image_url": {"url": url}}]}
+
+
+def _data(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def _bad_requests(media_dir):
+    big = _data(b"\0" * (3 << 20))
+    buf = io.BytesIO()
+    Image.new("RGB", (1200, 1000), (200, 30, 90)).save(buf, format="PNG")
+    wide = buf.getvalue()  # 1.2 MP in a few KiB: over max_pixels, under max_request_bytes
+    five = [{"type": "image_url", "image_url": {"url": _data(png(32, 32, 1))}}] * 6
+    return {
+        "corrupt image": (_img(_data((media_dir / "broken.png").read_bytes())), {}, 422, "image"),
+        "oversize body": (_img(big), {}, 413, "max_request_bytes"),
+        "too many pixels": (_img(_data(wide)), {}, 422, "max_pixels"),
+        "too many items": ({"content": five}, {}, 422, "max_items"),
+        "wrong request content type": (_img(_data(wide)), {"ctype": "text/plain"}, 415, "json"),
+        "wrong data content type": (_img(_data(b"hello", "text/plain")), {}, 415, "image/*"),
+        "missing content": ({"layout": "hf"}, {}, 422, "content"),
+        "missing url": ({"content": [{"type": "image_url", "image_url": {}}]}, {}, 422, "url"),
+        "unknown part type": ({"content": [{"type": "audio_url"}]}, {}, 422, "unknown type"),
+        "bad base64": (_img("data:image/png;base64,@@not base64@@"), {}, 400, "base64"),
+        "bad json": (None, {"content": b"{not json"}, 400, "JSON"),
+        "bad layout": ({**_img(_data(wide)), "layout": "jpeg"}, {}, 422, "layout"),
+        "disallowed path": (_img("/etc/hostname"), {}, 403, "allowed folders"),
+        "path escaping": (_img(f"{media_dir}/../../etc/hostname"), {}, 403, "allowed folders"),
+        "remote url": (_img("http://example.com/cat.png"), {}, 403, "--allow-host"),
+        "wrong api key": (_img(_data(wide)), {"key": "wrong"}, 401, "API key"),
+        "no api key": (_img(_data(wide)), {"key": None}, 401, "API key"),
+    }
+
+
+def test_every_bad_input_gets_its_4xx_and_the_server_keeps_serving(server, client, media_dir):
+    good = [image_part((media_dir / "img0.png").read_bytes(), "image/png")]
+    for name, (body, kw, status, words) in _bad_requests(media_dir).items():
+        r = _post(server.url, body, **kw)
+        assert r.status_code == status, (name, r.status_code, r.text)
+        message = r.json()["error"]["message"]
+        assert words.lower() in message.lower(), (name, message)
+        assert client.encode(good)[0].num_tokens > 0, name  # still serving
+    assert metric(server.url, 'mmferry_errors_total{kind="unauthorized"}') >= 2
+
+
+def test_client_raises_with_the_server_message(server, media_dir):
+    with EncoderClient(server.url, api_key="nope") as c, pytest.raises(EncodeError) as e:
+        c.encode([path_part(media_dir / "img0.png")])
+    assert e.value.status == 401 and "API key" in e.value.message
+
+
+def test_health_and_metrics(server, client, media_dir):
+    client.encode([path_part(media_dir / "img1.png")])
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and "RANDOM" in health["encoder"]
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in (
+        "mmferry_queue_depth",
+        "mmferry_batch_items_bucket",
+        "mmferry_batch_patches_bucket",
+        'mmferry_stage_seconds_bucket{le="0.001",stage="encode"}',
+        'mmferry_stage_seconds_count{stage="preprocess"}',
+        "mmferry_cache_hits_total",
+        "mmferry_pool_fallbacks_total",
+        "mmferry_errors_total",
+    ):
+        assert name in text, name
+    assert metric(server.url, "mmferry_cache_hits_total") >= 1
