@@ -12,8 +12,8 @@ log="${OUT:-.}/gpu_checks.log"
     python3 -c "import torch, transformers; print('torch', torch.__version__, \
 'transformers', transformers.__version__, torch.cuda.get_device_name())"
     python3 -m pytest -q -p no:cacheprovider -rs --timeout 300 \
-        tests/test_materialize.py tests/test_capabilities.py tests/transport tests/embed \
-        tests/encoder/test_model.py tests/encoder/test_towers.py tests/encoder/test_compact.py
-    python3 -m bench.materialize
-    python3 -m bench.encoder
+        tests/feed tests/transport tests/embed tests/models \
+        tests/encoder/test_model.py tests/encoder/test_attention.py tests/encoder/test_compact.py
+    python3 -m bench.materialize --quick
+    python3 -m bench.encoder --quick
 } 2>&1 | tee "$log"

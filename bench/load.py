@@ -242,10 +242,10 @@ def serve_baseline(depth: int | None) -> int:
     from bench.encoder import hf_tower
     from mmferry.commands.model_args import shallow
     from mmferry.config import preset
-    from mmferry.encoder.model import RANDOM_CONFIGS
+    from mmferry.models import spec_for
     from mmferry.server.encoded import EncodedItem, to_bytes
 
-    cfg = RANDOM_CONFIGS["qwen3-vl"]
+    cfg = spec_for("qwen3-vl").random_config
     if depth:
         cfg = shallow(cfg, depth)
     model = hf_tower(mf.VisionEncoder.random(config=cfg), "cpu", torch.float32)

@@ -5,8 +5,6 @@ Run: python -m bench.materialize [--quick]
 
 from __future__ import annotations
 
-import argparse
-import os
 import pickle
 import statistics
 import time
@@ -15,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.harness import Report, compare
+from bench.harness import Report, compare, main_for
 from mmferry.feed.materialize import materialize_features
 from mmferry.transport.shm import ShmArena, open_shared
 
@@ -222,25 +220,17 @@ def bench_gpu(reps: int) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.materialize", description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sizes")
-    ap.add_argument("--json", help="also write the transport figures, every round, here")
-    args = ap.parse_args(argv)
-    reps = 3 if args.quick else 10
-    load = os.getloadavg()[0]
-    print(
-        f"machine: {os.cpu_count()} cpus (load {load:.1f}), torch {torch.__version__}, "
-        f"cuda {'yes' if torch.cuda.is_available() else 'no'}"
-    )
-    report = Report()
-    bench_cpu(5 if args.quick else 7, report)
-    bench_transport(5 if args.quick else 7, [4, 16] if args.quick else [4, 16, 64], report)
-    if args.json:
-        report.dump_json(args.json)
+def run(report: Report, quick: bool) -> None:
+    """CPU materialisation, the cross-process hand-off, and the GPU path when CUDA is present."""
+    bench_cpu(5 if quick else 7, report)
+    bench_transport(5 if quick else 7, [4, 16] if quick else [4, 16, 64], report)
     if torch.cuda.is_available():
-        bench_gpu(reps)
-    return 0
+        report.section("materialize (cuda)")
+        bench_gpu(3 if quick else 10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return main_for(run, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

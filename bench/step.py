@@ -25,7 +25,6 @@ Run: python -m bench.step [--quick] [--json PATH]
 
 from __future__ import annotations
 
-import argparse
 import random
 from collections.abc import Callable
 
@@ -34,7 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from bench.harness import Figure, Report, check_equal, compare, machine
+from bench.harness import Figure, Report, check_equal, compare, main_for
 from mmferry.config import TokenIds, VisionConfig, preset
 from mmferry.embed.cache import EncoderCache
 from mmferry.embed.step import StepOutput, StepRequest, prefill_step
@@ -321,23 +320,18 @@ def _bench_repeats(report: Report, rounds: int) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="prefill step benchmark")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    rounds = 5 if args.quick else args.rounds
-    report = Report()
-    print(f"machine: {machine()}", flush=True)
+def run(report: Report, quick: bool) -> None:
+    """Step overhead and peak memory against the device-mask step; encoder time with repeats."""
+    rounds = 5 if quick else 7
     with torch.inference_mode():
         report.section("prefill step overhead")
         _bench_overhead(report, rounds)
         report.section("encoder with repeated images")
         _bench_repeats(report, rounds)
-    if args.json:
-        report.dump_json(args.json)
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return main_for(run, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

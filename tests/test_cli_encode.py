@@ -16,7 +16,7 @@ from PIL import Image
 
 import mmferry as mf
 from mmferry.commands.model_args import shallow
-from mmferry.encoder.model import RANDOM_CONFIGS
+from mmferry.models import spec_for
 from mmferry.server.encoded import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def test_folder_with_one_corrupt_image(tmp_path):
     assert not [f for f in out.parent.iterdir() if f.name != out.name]  # no temporary left
 
     proc = mf.Processor.for_model("qwen3-vl", image_max_pixels=MAX_PIXELS)
-    enc = mf.VisionEncoder.random(config=shallow(RANDOM_CONFIGS["qwen3-vl"], 1))
+    enc = mf.VisionEncoder.random(config=shallow(spec_for("qwen3-vl").random_config, 1))
     want = [proc.image(i.source, "compact-u8") for i in items]
     with torch.inference_mode():
         outs = enc(want)

@@ -12,13 +12,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model / --random / --depth / --device / --dtype / --image-max-pixels."""
-    from mmferry.encoder.model import RANDOM_CONFIGS
+    from mmferry.models import PRESETS
 
     p.add_argument("--model", metavar="DIR", help="a local Qwen-VL checkpoint folder")
     p.add_argument(
         "--random",
         default="qwen3-vl",
-        choices=list(RANDOM_CONFIGS),
+        choices=list(PRESETS),
         help="without --model: the built-in tower with seeded RANDOM weights (default qwen3-vl)",
     )
     p.add_argument(
@@ -51,7 +51,7 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
     import torch
 
     import mmferry as mf
-    from mmferry.encoder.model import RANDOM_CONFIGS
+    from mmferry.models import spec_for
 
     overrides = {}
     if args.image_max_pixels:
@@ -62,7 +62,7 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
         enc = mf.VisionEncoder.from_pretrained(args.model, device=args.device, dtype=dtype)
         return proc, enc
     proc = mf.Processor.for_model(args.random, **overrides)
-    cfg = RANDOM_CONFIGS[args.random]
+    cfg = spec_for(args.random).random_config
     if args.depth:
         cfg = shallow(cfg, args.depth)
     enc = mf.VisionEncoder.random(config=cfg, device=args.device, dtype=dtype)
