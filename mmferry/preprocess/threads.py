@@ -7,7 +7,9 @@ thread, splits large gathers into a few coarse ranges on plain Python threads (t
 release the GIL), and gives the resize, one large op, the intra-op threads.
 
 The count is the `threads=` argument of `process_image` / `process_video`, else the
-`MMFERRY_PREPROCESS_THREADS` environment variable, else `min(2, os.cpu_count())`.
+`MMFERRY_PREPROCESS_THREADS` environment variable, else 1. One is the measured default: on a
+shared 2-core host, two threads ran the 16-image benchmark at 0.87-0.94x the speed of one
+(median of 5 rounds, BENCHMARKS.md); on a dedicated host, set the count to its free cores.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 import torch
 
 ENV_THREADS = "MMFERRY_PREPROCESS_THREADS"
+DEFAULT_THREADS = 1
 # Below this many output bytes an item runs on one thread: waking workers costs more.
 PARALLEL_MIN_BYTES = 4 << 20
 
@@ -29,7 +32,7 @@ def preprocess_threads(threads: int | None = None) -> int:
     if threads is None:
         raw = os.environ.get(ENV_THREADS, "").strip()
         if not raw:
-            return max(1, min(2, os.cpu_count() or 1))
+            return DEFAULT_THREADS
         try:
             threads = int(raw)
         except ValueError:

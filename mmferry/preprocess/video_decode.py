@@ -156,9 +156,10 @@ def _decode(
     with container:
         try:
             for idx in sorted(wanted):
-                if keyframes is not None:
-                    key = int(keyframes[np.searchsorted(keyframes, idx, side="right") - 1])
-                    if key > pos:  # a keyframe lies ahead: skip the frames before it
+                at = 0 if keyframes is None else int(np.searchsorted(keyframes, idx, "right"))
+                if at > 0:
+                    key = int(keyframes[at - 1])  # the last keyframe at or before idx
+                    if key > pos:  # it lies ahead of the decoder: skip the frames before it
                         container.seek(info.pts[key], backward=True, stream=stream)
                         frames, pos = container.decode(stream), key
                 for frame in frames:
