@@ -22,8 +22,9 @@ from collections.abc import Callable
 import torch
 
 from mmferry.config import preset
-from mmferry.encoder.model import RANDOM_CONFIGS, VisionEncoder
+from mmferry.encoder.model import VisionEncoder
 from mmferry.items import MultimodalItem
+from mmferry.models import spec_for
 
 P, T, C = 16, 2, 3
 
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 layers and a smaller batch")
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)
-    cfg = RANDOM_CONFIGS["qwen3-vl"]
+    cfg = spec_for("qwen3-vl").random_config
     if args.quick:
         cfg = dataclasses.replace(cfg, depth=4, deepstack_visual_indexes=(1,))
         grids = [_grid(224, 224), _grid(224, 224), _grid(448, 320), _grid(224, 224, frames=4)]

@@ -6,7 +6,6 @@ Run: python -m bench.materialize [--quick]
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import pickle
 import statistics
@@ -16,7 +15,8 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mmferry.materialize import materialize_features
+from bench.harness import Report, compare
+from mmferry.feed.materialize import materialize_features
 from mmferry.transport.shm import ShmArena, open_shared
 
 MB = 1 << 20
@@ -60,7 +60,7 @@ def _line(label: str, base_name: str, base: float, ours: float, unit: str = "ms"
     )
 
 
-def bench_cpu(reps: int) -> None:
+def bench_cpu(rounds: int, report: Report) -> None:
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(4096, 1536, generator=g) for _ in range(8)]
     big = torch.randn(8 * 4096, 1536, generator=g)
@@ -70,28 +70,35 @@ def bench_cpu(reps: int) -> None:
         out = torch.empty(big.shape, dtype=bf)
         return out.copy_(big)
 
-    base = _time(lambda: torch.cat(xs).to(bf), reps)
-    ours = _time(lambda: materialize_features(xs, device="cpu", dtype=bf), reps)
-    fl = _time(floor, reps)
-    print("cpu 8 x [4096, 1536] float32 -> bfloat16")
-    _line("  time vs torch.cat(xs).to(dtype)", "baseline", base, ours)
-    print(
-        f"  time vs floor (one copy_ with cast): floor {fl * 1e3:.2f} ms | mmferry "
-        f"{ours * 1e3:.2f} ms | {ours / fl:.2f}x of floor"
+    def ours() -> torch.Tensor:
+        return materialize_features(xs, device="cpu", dtype=bf)
+
+    assert torch.equal(ours(), torch.cat(xs).to(bf))  # outputs equal before timing
+    report.section("cpu 8 x [4096, 1536] float32 -> bfloat16")
+    report.add(
+        compare(
+            "time vs torch.cat(xs).to(dtype)",
+            {"baseline": lambda: torch.cat(xs).to(bf), "mmferry": ours},
+            rounds=rounds,
+        )
+    )
+    report.add(
+        compare(
+            "time vs floor (one copy_ with cast; 1.00x = at the floor)",
+            {"floor": floor, "mmferry": ours},
+            rounds=rounds,
+        )
     )
     # On a shared, loaded machine every parallel region waits for its slowest thread; one
     # thread isolates the copy work itself from that per-call scheduling cost.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ours1 = _time(lambda: materialize_features(xs, device="cpu", dtype=bf), reps)
-        fl1 = _time(floor, reps)
+        report.add(
+            compare("time vs floor, 1 thread", {"floor": floor, "mmferry": ours}, rounds=rounds)
+        )
     finally:
         torch.set_num_threads(threads)
-    print(
-        f"  time vs floor, 1 thread: floor {fl1 * 1e3:.2f} ms | mmferry {ours1 * 1e3:.2f} ms "
-        f"| {ours1 / fl1:.2f}x of floor"
-    )
     out_bytes = big.numel() * 2
     counts = []
     for fn in (
@@ -114,44 +121,62 @@ def _consumer(conn) -> None:
         if kind == "stop":
             return
         if kind == "handle":
-            view = open_shared(conn.recv())
-            view.view(-1)[-1].item()  # the data is reachable without a copy
-            del view
+            t = open_shared(conn.recv())
+        elif kind == "tensor":
+            t = conn.recv()  # torch.multiprocessing: a tensor whose storage is shared memory
         else:
             t = pickle.loads(conn.recv_bytes())
-            t.view(-1)[-1].item()
+        t.view(-1)[-1].item()  # the data is reachable without a copy
+        del t  # the lease (or the shared storage) ends here
         conn.send("ok")
 
 
-def bench_transport(reps: int, sizes: list[int]) -> None:
-    ctx = mp.get_context("spawn")
+def bench_transport(rounds: int, sizes: list[int], report: Report) -> None:
+    # Every variant starts from a pageable tensor in the producer and ends with the consumer
+    # holding the data; the producer's copy into shared memory counts as transport.
+    import torch.multiprocessing as tmp  # registers the shared-memory tensor reductions
+
+    ctx = tmp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_consumer, args=(child,), daemon=True)
     proc.start()
-    print("transport: hand a feature to another process (handle via Pipe vs pickled tensor)")
+    report.section("transport: a pageable tensor handed to another process, producer copy included")
     try:
         with ShmArena(max(sizes) * MB * 2 + MB) as arena:
             for size in sizes:
                 x = torch.randn(size * MB // 4, generator=torch.Generator().manual_seed(size))
-                handle = arena.put(x)
+                # torch.multiprocessing moves a tensor's storage into shared memory when it is
+                # sent, so each call gets a fresh pageable copy made outside the timed region.
+                fresh = [x.clone() for _ in range(2 * (rounds + 1))]
 
-                def by_handle(handle=handle) -> None:
+                def by_handle(x=x) -> None:
                     parent.send("handle")
-                    parent.send(handle)
+                    parent.send(arena.put(x))  # the producer's one copy, into the arena
                     parent.recv()
+                    arena.reclaim()
 
                 def by_pickle(x=x) -> None:
                     parent.send("bytes")
                     parent.send_bytes(pickle.dumps(x))
                     parent.recv()
 
-                ours = _time(by_handle, reps)
-                base = _time(by_pickle, reps)
-                _line(f"  {size:3d} MB hand-off", "pickle+Pipe", base, ours)
-                put = _time(lambda x=x: arena.cancel(arena.put(x)), reps)
-                print(f"  {size:3d} MB producer put (one copy into the arena): {put * 1e3:.2f} ms")
-                arena.cancel(handle)
-                arena.reclaim()
+                def by_torch_mp(fresh=fresh) -> None:
+                    parent.send("tensor")
+                    parent.send(fresh.pop())  # share_memory_() copy, then an fd over the pipe
+                    parent.recv()
+
+                for base_name, base in (
+                    ("pickle+Pipe", by_pickle),
+                    ("torch.multiprocessing", by_torch_mp),
+                ):
+                    report.add(
+                        compare(
+                            f"{size:3d} MB hand-off",
+                            {base_name: base, "mmferry": by_handle},
+                            rounds=rounds,
+                        )
+                    )
+                assert arena.live_slots == 0
     finally:
         parent.send("stop")
         proc.join(30)
@@ -200,6 +225,7 @@ def bench_gpu(reps: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.materialize", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sizes")
+    ap.add_argument("--json", help="also write the transport figures, every round, here")
     args = ap.parse_args(argv)
     reps = 3 if args.quick else 10
     load = os.getloadavg()[0]
@@ -207,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         f"machine: {os.cpu_count()} cpus (load {load:.1f}), torch {torch.__version__}, "
         f"cuda {'yes' if torch.cuda.is_available() else 'no'}"
     )
-    bench_cpu(reps)
-    bench_transport(reps, [4, 16] if args.quick else [4, 16, 64])
+    report = Report()
+    bench_cpu(5 if args.quick else 7, report)
+    bench_transport(5 if args.quick else 7, [4, 16] if args.quick else [4, 16, 64], report)
+    if args.json:
+        report.dump_json(args.json)
     if torch.cuda.is_available():
         bench_gpu(reps)
     return 0

@@ -25,6 +25,7 @@ from mmferry.config import preset
 from mmferry.items import MultimodalItem
 from mmferry.prompt.expand import expand_prompt
 from mmferry.prompt.mrope import VisionSpan, mrope_positions
+from tests.support.tiny_models import tiny_base_model
 
 IMG, VID, VS, VE = 151655, 151656, 151652, 151653
 
@@ -59,44 +60,6 @@ def _workloads() -> list[tuple[str, str, list[int], list[MultimodalItem]]]:
             [*qwen25_images, qwen25_video],
         ),
     ]
-
-
-def _hf_model(family: str):
-    text = dict(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=152000,
-    )
-    if family == "qwen3_vl":
-        from transformers import Qwen3VLConfig
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
-
-        vision = dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=16,
-            deepstack_visual_indexes=[0],
-            num_position_embeddings=16,
-        )
-        return Qwen3VLModel(Qwen3VLConfig(text_config=dict(text, head_dim=8), vision_config=vision))
-    from transformers import Qwen2_5_VLConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
-
-    vision = dict(
-        depth=1,
-        hidden_size=16,
-        intermediate_size=32,
-        num_heads=2,
-        out_hidden_size=16,
-        tokens_per_second=2,
-        fullatt_block_indexes=[0],
-    )
-    return Qwen2_5_VLModel(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -140,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         f"threads {torch.get_num_threads()}"
     )
     for family, label, ids, items in _workloads():
-        cfg = preset({"qwen3_vl": "qwen3-vl", "qwen2_5_vl": "qwen2.5-vl"}[family])
+        cfg = preset(family)
         tok = _Digits()
         out = expand_prompt(ids, items, cfg, tokenizer=tok, mrope_advance="spatial")
-        model = _hf_model(family)
+        model = tiny_base_model(family)
         ids_t = torch.tensor([out.input_ids])
         types = torch.zeros_like(ids_t, dtype=torch.int32)
         types[ids_t == IMG] = 1

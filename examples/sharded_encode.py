@@ -20,19 +20,10 @@ from mmferry.config import VisionConfig
 from mmferry.encoder.model import VisionEncoder
 from mmferry.encoder.sharded import encode_sharded, plan_for
 from mmferry.items import MultimodalItem
+from mmferry.models import spec_for
 
-TINY = VisionConfig(
-    family="qwen3_vl",
-    depth=2,
-    hidden_size=64,
-    intermediate_size=128,
-    num_heads=4,
-    out_hidden_size=64,
-    hidden_act="gelu_pytorch_tanh",
-    patch_size=16,
-    num_position_embeddings=256,
-    deepstack_visual_indexes=(0, 1),
-)
+# The tiny Qwen3-VL tower; `--model-dir` loads a real checkpoint instead.
+TINY = spec_for("qwen3_vl").tiny_config
 
 
 def demo_items(cfg: VisionConfig) -> list[MultimodalItem]:
@@ -60,10 +51,12 @@ def main() -> None:
     )
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
+    if cuda:
+        # NOTE: before the process group: NCCL binds each rank's communicator to the current
+        # device, so setting it afterwards would put every rank's NCCL context on GPU 0.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     try:

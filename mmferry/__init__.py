@@ -1,45 +1,40 @@
-"""mmferry: images and videos into Qwen-VL vision-language models."""
+"""mmferry: images and videos into Qwen-VL vision-language models.
+
+The top level holds what a pipeline user needs, in call order; transport and lower-level names
+live in their subpackages (`mmferry.transport`, `mmferry.feed`, `mmferry.encoder`,
+`mmferry.models`). To add a public name, add one line to `_EXPORTS` and to the README's API list.
+"""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mmferry._exports import lazy_exports
 
 __version__ = "0.1.0"
 
 # Public name -> module. Imported on first use so `import mmferry` stays cheap and optional
 # extras (PyAV, tokenizers) are touched only when their feature is used.
 _EXPORTS: dict[str, str] = {
-    "smart_resize": "mmferry.preprocess.resize",
+    # configuration
+    "load_model_config": "mmferry.config",
+    "ModelConfig": "mmferry.config",
+    "VisionConfig": "mmferry.config",
+    "ProcessorConfig": "mmferry.config",
+    "TokenIds": "mmferry.config",
+    # preprocessing and prompt
     "Processor": "mmferry.processor",
     "MultimodalItem": "mmferry.items",
-    "ProcessorConfig": "mmferry.config",
-    "VisionConfig": "mmferry.config",
-    "ModelConfig": "mmferry.config",
-    "TokenIds": "mmferry.config",
-    "load_model_config": "mmferry.config",
+    "smart_resize": "mmferry.preprocess.resize",
+    "sample_images": "mmferry.preprocess.samples",
+    "sample_video": "mmferry.preprocess.samples",
     "ExpandedPrompt": "mmferry.prompt.expand",
-    "materialize_features": "mmferry.materialize",
+    # device feed and encoder
+    "materialize_features": "mmferry.feed.materialize",
     "VisionEncoder": "mmferry.encoder.model",
     "VisionOutput": "mmferry.encoder.model",
     "encode_sharded": "mmferry.encoder.sharded",
     "encode_sharded_packed": "mmferry.encoder.sharded",
     "ShardedEncodeError": "mmferry.encoder.sharded",
-    "assign_work": "mmferry.encoder.assign",
-    "Assignment": "mmferry.encoder.assign",
-    "CostModel": "mmferry.encoder.assign",
-    "ShmArena": "mmferry.transport.shm",
-    "ShmHandle": "mmferry.transport.shm",
-    "ArenaFullError": "mmferry.transport.shm",
-    "open_shared": "mmferry.transport.shm",
-    "FeaturePool": "mmferry.transport.pool",
-    "PoolHandle": "mmferry.transport.pool",
-    "HostBacking": "mmferry.transport.pool",
-    "CudaBacking": "mmferry.transport.pool",
-    "open_feature": "mmferry.transport.pool",
-    "ack": "mmferry.transport.pool",
-    "prepare_encoder_inputs": "mmferry.capabilities",
-    "capabilities_of": "mmferry.capabilities",
+    # embeddings into the LLM
     "merge_vision_embeddings": "mmferry.embed.merge",
     "MergedEmbeddings": "mmferry.embed.merge",
     "EncoderCache": "mmferry.embed.cache",
@@ -47,9 +42,4 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = ["__version__", *_EXPORTS]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'mmferry' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

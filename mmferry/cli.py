@@ -16,17 +16,18 @@ def _demo(args: argparse.Namespace) -> int:
 
     import mmferry as mf
     from mmferry.embed.merge import merge_vision_embeddings
-    from mmferry.preprocess.samples import sample_images, sample_video
+    from mmferry.models import spec_for
 
     if args.model_dir:
         proc = mf.Processor.from_pretrained(args.model_dir)
     else:
         # A modest pixel budget keeps the 24-layer default tower quick on a laptop CPU.
         proc = mf.Processor.for_model("qwen3-vl", image_max_pixels=args.max_pixels)
-    sources = [str(p) for p in args.images] or [str(p) for p in sample_images()]
+    sources = [str(p) for p in args.images] or [str(p) for p in mf.sample_images()]
     t0 = time.perf_counter()
     items = [proc.image(s, layout="compact-u8") for s in sources]
-    video = None if args.no_video else proc.video(str(args.video or sample_video()), "compact-u8")
+    video_path = str(args.video or mf.sample_video())
+    video = None if args.no_video else proc.video(video_path, "compact-u8")
     t_pre = time.perf_counter() - t0
     print(
         f"preprocess  {len(items)} images{' + 1 video' if video else ''} "
@@ -48,7 +49,8 @@ def _demo(args: argparse.Namespace) -> int:
     # Qwen3-VL video prompts carry timestamp text, which needs the checkpoint's tokenizer.
     tok = proc.config.tokens
     in_prompt = list(items)
-    if video is not None and (proc.config.family != "qwen3_vl" or proc.has_tokenizer):
+    needs_tokenizer = spec_for(proc.config.family).timestamps_in_prompt
+    if video is not None and (not needs_tokenizer or proc.has_tokenizer):
         in_prompt.append(video)
     ids = [1, 2, 3]
     for it in in_prompt:

@@ -1,8 +1,8 @@
 """Model facts read once from a checkpoint folder, as frozen dataclasses.
 
-HF field names are translated to ours here and nowhere else, including the `vision_config`
-nesting and the `size={"shortest_edge", "longest_edge"}` / `min_pixels`/`max_pixels` spellings
-of the preprocessor configs.
+The preprocessor configs' spellings (`size={"shortest_edge", "longest_edge"}` /
+`min_pixels`/`max_pixels`) are translated here; each family's `vision_config` spellings are a
+table in its spec (`mmferry/models/`), applied by `VisionConfig.from_hf`.
 """
 
 from __future__ import annotations
@@ -11,38 +11,14 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
-
-# model_type in config.json -> the family whose preprocessing, prompt and tower rules apply.
-MODEL_FAMILIES: dict[str, str] = {
-    "qwen2_vl": "qwen2_vl",
-    "qwen2_5_vl": "qwen2_5_vl",
-    "qwen3_vl": "qwen3_vl",
-    "qwen3_vl_moe": "qwen3_vl",
-    "qwen3_5": "qwen3_vl",
-    "qwen3_5_moe": "qwen3_vl",
-}
-SUPPORTED_MODEL_TYPES = tuple(MODEL_FAMILIES)
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-HALF = (0.5, 0.5, 0.5)
 
 # Decoded images larger than this many pixels are refused before full decoding
 # (decompression bombs). 128 MP is ~10x a 4000x3000 photo.
 DEFAULT_MAX_DECODED_PIXELS = 1 << 27
-
-
-def family_of(model_type: str) -> str:
-    """The family for a config.json `model_type`; a clear error for anything unsupported."""
-    try:
-        return MODEL_FAMILIES[model_type]
-    except KeyError:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; mmferry supports: "
-            + ", ".join(SUPPORTED_MODEL_TYPES)
-        ) from None
 
 
 @dataclass(frozen=True)
@@ -53,12 +29,9 @@ class TokenIds:
     vision_end: int = 151653
 
 
-QWEN3_5_TOKENS = TokenIds(image=248056, video=248057, vision_start=248053, vision_end=248054)
-
-
 @dataclass(frozen=True)
 class VisionConfig:
-    """The vision tower's architecture (our names; see `from_hf` for the HF spellings)."""
+    """The vision tower's architecture (our names; the family's spec holds the HF spellings)."""
 
     family: str
     depth: int
@@ -80,6 +53,10 @@ class VisionConfig:
     tokens_per_second: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"vision {name} must be a positive integer, got {value!r}")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"vision hidden_size {self.hidden_size} is not divisible by "
@@ -96,58 +73,9 @@ class VisionConfig:
     @classmethod
     def from_hf(cls, vision: dict[str, Any], model_type: str) -> VisionConfig:
         """Build from the `vision_config` dict of a config.json with this `model_type`."""
-        family = family_of(model_type)
-        v = dict(vision)
-        if family == "qwen2_vl":
-            # Qwen2-VL names the tower width `embed_dim` and the LLM width `hidden_size`.
-            embed = v.get("embed_dim", 1280)
-            return cls(
-                family=family,
-                depth=v.get("depth", 32),
-                hidden_size=embed,
-                intermediate_size=int(embed * v.get("mlp_ratio", 4)),
-                num_heads=v.get("num_heads", 16),
-                out_hidden_size=v.get("hidden_size", 3584),
-                hidden_act=v.get("hidden_act", "quick_gelu"),
-                patch_size=v.get("patch_size", 14),
-                spatial_merge_size=v.get("spatial_merge_size", 2),
-                temporal_patch_size=v.get("temporal_patch_size", 2),
-                in_channels=v.get("in_channels", v.get("in_chans", 3)),
-            )
-        if family == "qwen2_5_vl":
-            return cls(
-                family=family,
-                depth=v.get("depth", 32),
-                hidden_size=v.get("hidden_size", 3584),
-                intermediate_size=v.get("intermediate_size", 3420),
-                num_heads=v.get("num_heads", 16),
-                out_hidden_size=v.get("out_hidden_size", 3584),
-                hidden_act=v.get("hidden_act", "silu"),
-                patch_size=v.get("patch_size", 14),
-                spatial_merge_size=v.get("spatial_merge_size", 2),
-                temporal_patch_size=v.get("temporal_patch_size", 2),
-                in_channels=v.get("in_channels", v.get("in_chans", 3)),
-                window_size=v.get("window_size", 112),
-                fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))),
-                tokens_per_second=v.get("tokens_per_second", 4),
-            )
-        # Qwen3-VL and its siblings; Qwen3.5 towers have no deepstack taps.
-        default_deepstack = () if model_type.startswith("qwen3_5") else (8, 16, 24)
-        return cls(
-            family=family,
-            depth=v.get("depth", 27),
-            hidden_size=v.get("hidden_size", 1152),
-            intermediate_size=v.get("intermediate_size", 4304),
-            num_heads=v.get("num_heads", 16),
-            out_hidden_size=v.get("out_hidden_size", 3584),
-            hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
-            patch_size=v.get("patch_size", 16),
-            spatial_merge_size=v.get("spatial_merge_size", 2),
-            temporal_patch_size=v.get("temporal_patch_size", 2),
-            in_channels=v.get("in_channels", 3),
-            num_position_embeddings=v.get("num_position_embeddings", 2304),
-            deepstack_visual_indexes=tuple(v.get("deepstack_visual_indexes", default_deepstack)),
-        )
+        from mmferry.models import spec_for
+
+        return spec_for(model_type).vision_from_hf(vision)
 
 
 @dataclass(frozen=True)
@@ -166,7 +94,11 @@ class ProcessorConfig:
     video_max_pixels: int = 768 * 28 * 28
     video_mean: tuple[float, float, float] = CLIP_MEAN
     video_std: tuple[float, float, float] = CLIP_STD
-    fps: float = 2.0
+    # Video sampling when a call passes neither fps nor num_frames: off keeps every frame;
+    # on samples `num_frames` if set, else at `fps` (None: every frame), as transformers does.
+    do_sample_frames: bool = True
+    fps: float | None = 2.0
+    num_frames: int | None = None
     min_frames: int = 4
     max_frames: int = 768
     # Qwen3-VL video per-frame pixel cap (transformers' `cap_pixels_per_frame`); off by default
@@ -178,8 +110,10 @@ class ProcessorConfig:
     tokens: TokenIds = field(default_factory=TokenIds)
 
     def __post_init__(self) -> None:
-        if self.family not in {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}:
-            raise ValueError(f"unknown processor family {self.family!r}")
+        # NOTE: the family is checked where it is used (`spec_for`): the specs themselves
+        # build ProcessorConfigs while the registry is being filled.
+        if not isinstance(self.family, str) or not self.family:
+            raise ValueError(f"processor family must be a family name, got {self.family!r}")
         for name in ("patch_size", "merge_size", "temporal_patch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -189,6 +123,10 @@ class ProcessorConfig:
             raise ValueError("video_min_pixels is larger than video_max_pixels")
         if not 1 <= self.min_frames <= self.max_frames:
             raise ValueError("need 1 <= min_frames <= max_frames")
+        if self.fps is not None and not self.fps > 0:
+            raise ValueError(f"fps must be positive or None, got {self.fps}")
+        if self.num_frames is not None and self.num_frames < 1:
+            raise ValueError(f"num_frames must be >= 1 or None, got {self.num_frames}")
 
     @property
     def factor(self) -> int:
@@ -206,38 +144,14 @@ class ProcessorConfig:
         return dataclasses.replace(self, **overrides)
 
 
-_QWEN2 = ProcessorConfig(family="qwen2_vl", patch_size=14)
-_QWEN3 = ProcessorConfig(
-    family="qwen3_vl",
-    patch_size=16,
-    image_min_pixels=65536,
-    image_max_pixels=16777216,
-    image_mean=HALF,
-    image_std=HALF,
-    video_min_pixels=4096,
-    video_max_pixels=25165824,
-    video_mean=HALF,
-    video_std=HALF,
-)
-
-# The public checkpoints' preprocessor defaults, by the names users type.
-PRESETS: MappingProxyType[str, ProcessorConfig] = MappingProxyType(
-    {
-        "qwen2-vl": _QWEN2,
-        "qwen2.5-vl": _QWEN2.replace(family="qwen2_5_vl"),
-        "qwen3-vl": _QWEN3,
-        "qwen3-vl-moe": _QWEN3,
-        "qwen3.5": _QWEN3.replace(tokens=QWEN3_5_TOKENS),
-        "qwen3.5-moe": _QWEN3.replace(tokens=QWEN3_5_TOKENS),
-    }
-)
-
-
 def preset(name: str) -> ProcessorConfig:
-    key = name.lower().replace("_", "-")
-    if key not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
-    return PRESETS[key]
+    """The public checkpoint's preprocessing for a preset name ("qwen3-vl", "qwen2.5-vl", ...)."""
+    from mmferry.models import PRESETS, spec_for
+
+    try:
+        return spec_for(name).processor
+    except ValueError:
+        raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}") from None
 
 
 @dataclass(frozen=True)
@@ -266,6 +180,37 @@ def _pixel_limits(cfg: dict[str, Any]) -> tuple[int | None, int | None]:
     return lo, hi
 
 
+def _settings(root: Path, kind: str, files: tuple[str, ...]) -> dict[str, Any] | None:
+    """A sub-processor's settings as transformers finds them: processor_config.json's nested
+    `kind` entry first, then the first of `files` that exists; None when there are none."""
+    nested = root / "processor_config.json"
+    if nested.is_file():
+        entry = _read_json(nested).get(kind)
+        if isinstance(entry, dict):
+            return entry
+    for name in files:
+        if (root / name).is_file():
+            return _read_json(root / name)
+    return None
+
+
+def _video_overrides(vc: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """Our video fields from a video processor's settings over its class defaults."""
+    out = dict(defaults)
+    lo, hi = _pixel_limits(vc)
+    out.update({k: v for k, v in (("video_min_pixels", lo), ("video_max_pixels", hi)) if v})
+    for ours, theirs in (("video_mean", "image_mean"), ("video_std", "image_std")):
+        if theirs in vc:
+            out[ours] = tuple(vc[theirs])
+    for key in ("fps", "num_frames", "min_frames", "max_frames"):
+        if key in vc:
+            out[key] = vc[key]
+    for key in ("do_sample_frames", "cap_pixels_per_frame"):
+        if vc.get(key) is not None:
+            out[key] = bool(vc[key])
+    return out
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read config.json and the preprocessor configs of a local checkpoint folder."""
     root = Path(model_dir)
@@ -273,12 +218,22 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"no config.json in {root}")
     cfg = _read_json(cfg_path)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path} must hold a JSON object, got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
     if model_type is None:
         raise ValueError(f"{cfg_path} has no model_type")
-    family = family_of(model_type)
-    vision = VisionConfig.from_hf(cfg.get("vision_config") or {}, model_type)
-    default_tokens = QWEN3_5_TOKENS if model_type.startswith("qwen3_5") else TokenIds()
+    from mmferry.models import spec_for
+
+    spec = spec_for(str(model_type))
+    vision_cfg = cfg.get("vision_config") or {}
+    if not isinstance(vision_cfg, dict):
+        raise ValueError(f"{cfg_path}: vision_config must be a JSON object")
+    try:
+        vision = spec.vision_from_hf(vision_cfg)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{cfg_path}: vision_config: {e}") from None
+    default_tokens = spec.tokens
     tokens = TokenIds(
         image=cfg.get("image_token_id", default_tokens.image),
         video=cfg.get("video_token_id", default_tokens.video),
@@ -286,18 +241,16 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         vision_end=cfg.get("vision_end_token_id", default_tokens.vision_end),
     )
     text = cfg.get("text_config") or cfg
-    base = _QWEN3 if family == "qwen3_vl" else _QWEN2.replace(family=family)
     overrides: dict[str, Any] = {
         "patch_size": vision.patch_size,
         "merge_size": vision.spatial_merge_size,
         "temporal_patch_size": vision.temporal_patch_size,
         "tokens": tokens,
     }
-    if family == "qwen2_5_vl":
+    if spec.video_time_in_mrope:
         overrides["tokens_per_second"] = vision.tokens_per_second
-    image_cfg_path = root / "preprocessor_config.json"
-    if image_cfg_path.is_file():
-        ic = _read_json(image_cfg_path)
+    ic = _settings(root, "image_processor", ("preprocessor_config.json",))
+    if ic is not None:
         lo, hi = _pixel_limits(ic)
         overrides.update(
             {k: v for k, v in (("image_min_pixels", lo), ("image_max_pixels", hi)) if v}
@@ -308,26 +261,19 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         for key in ("patch_size", "merge_size", "temporal_patch_size"):
             if key in ic:
                 overrides[key] = ic[key]
-    video_cfg_path = root / "video_preprocessor_config.json"
-    if video_cfg_path.is_file():
-        vc = _read_json(video_cfg_path)
-        lo, hi = _pixel_limits(vc)
-        overrides.update(
-            {k: v for k, v in (("video_min_pixels", lo), ("video_max_pixels", hi)) if v}
-        )
-        for ours, theirs in (("video_mean", "image_mean"), ("video_std", "image_std")):
-            if theirs in vc:
-                overrides[ours] = tuple(vc[theirs])
-        for key in ("fps", "min_frames", "max_frames"):
-            if vc.get(key) is not None:
-                overrides[key] = vc[key]
-        if vc.get("cap_pixels_per_frame") is not None:
-            overrides["cap_pixels_per_frame"] = bool(vc["cap_pixels_per_frame"])
+    # As transformers' video processor loading: with no video config, the image processor's
+    # file stands in, and the family's video processor class supplies what a file leaves out.
+    # A folder with neither keeps the preset.
+    vc = _settings(
+        root, "video_processor", ("video_preprocessor_config.json", "preprocessor_config.json")
+    )
+    if vc is not None:
+        overrides.update(_video_overrides(vc, dict(spec.hf_video_defaults)))
     return ModelConfig(
         model_type=model_type,
-        family=family,
+        family=spec.family,
         vision=vision,
         tokens=tokens,
-        processor=base.replace(**overrides),
+        processor=spec.processor.replace(**overrides),
         text_hidden_size=text.get("hidden_size"),
     )

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from mmferry.config import ProcessorConfig, load_model_config, preset
 from mmferry.items import Layout, MultimodalItem
+from mmferry.models.base import spec_for
 
 if TYPE_CHECKING:
     from mmferry.prompt.expand import ExpandedPrompt
@@ -20,6 +21,7 @@ class Processor:
     def __init__(
         self, config: ProcessorConfig, tokenizer: TimestampTokenizer | str | Path | None = None
     ) -> None:
+        spec_for(config.family)  # a clear error now for an unknown family, not at first use
         self.config = config
         self._tokenizer = tokenizer
 
@@ -86,7 +88,7 @@ class Processor:
         """Expand each placeholder to its tokens; offsets and mRoPE positions."""
         from mmferry.prompt.expand import expand_prompt
 
-        needs_text = self.config.family == "qwen3_vl" and any(
+        needs_text = spec_for(self.config.family).timestamps_in_prompt and any(
             it.modality == "video" for it in items
         )
         return expand_prompt(

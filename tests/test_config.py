@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import mmferry as mf
-from mmferry.config import PRESETS, SUPPORTED_MODEL_TYPES, load_model_config
+from mmferry.config import load_model_config
+from mmferry.models import PRESETS, SUPPORTED_MODEL_TYPES
 
 transformers = pytest.importorskip("transformers")
 

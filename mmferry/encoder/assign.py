@@ -2,12 +2,14 @@
 
 Cost model (estimated FLOPs of one vision block, normalised so one patch's linear work is 1):
 - Linear in patches: per patch and layer, qkv + proj are 4*d^2 multiply-adds and the MLP
-  2*d*I (fc1/fc2: Qwen2-VL, Qwen3-VL) or 3*d*I (gated: Qwen2.5-VL), d = hidden, I = intermediate.
+  2*d*I (fc1/fc2: Qwen2-VL, Qwen3-VL) or 3*d*I (gated: Qwen2.5-VL), d = hidden, I = intermediate
+  (the spec's `mlp_matmuls`).
 - Quadratic per attention sequence: QK^T and AV are 2*L^2*d multiply-adds for a sequence of L
   patches. Every Qwen-VL tower attends within one frame (transformers builds
   `cu_seqlens = cumsum(repeat_interleave(h*w, t))`), so L = h*w and an item of t frames has t
   sequences. Relative to the linear term this gives `quadratic = 2*d / (4*d^2 + k*d*I)` per L^2.
-- Qwen2.5-VL attends fully only in `fullatt_block_indexes`; its windowed layers (windows of
+- Windowed towers (the spec's `windowed`, Qwen2.5-VL) attend fully only in
+  `fullatt_block_indexes`; their windowed layers (windows of
   (window_size/patch)^2 patches) are charged as linear work at the window length.
 Patch embedding and the mergers are linear in patches and small; they are left out. Attention
 kernels run below matmul efficiency, so the quadratic term is, if anything, an underestimate.
@@ -26,10 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mmferry.config import VisionConfig
-
-# NOTE: frame-splitting is exact only for towers whose attention, rotary positions and position
-# embeddings never cross a frame; all three families qualify (checked against transformers 5.24).
-FRAME_LOCAL_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+from mmferry.models.base import spec_for
 
 
 @dataclass(frozen=True)
@@ -56,10 +55,10 @@ class CostModel:
     def for_config(cls, cfg: VisionConfig) -> CostModel:
         """FLOP-derived constants for one tower (see the module docstring)."""
         d, inter = cfg.hidden_size, cfg.intermediate_size
-        mlp = 3 if cfg.family == "qwen2_5_vl" else 2
-        per_patch = 4 * d * d + mlp * d * inter
+        spec = spec_for(cfg.family)
+        per_patch = 4 * d * d + spec.mlp_matmuls * d * inter
         quad = 2 * d / per_patch
-        if cfg.family != "qwen2_5_vl" or not cfg.window_size:
+        if not spec.windowed or not cfg.window_size:
             return cls(linear=1.0, quadratic=quad)
         full = len(cfg.fullatt_block_indexes) / cfg.depth
         window_patches = (cfg.window_size // cfg.patch_size) ** 2

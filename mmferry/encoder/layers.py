@@ -12,7 +12,7 @@ frames, so their fold is per channel only: W'[o,c,t,p,q] = W[o,c,t,p,q] / (255 s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +20,14 @@ from torch import nn
 
 from mmferry.config import VisionConfig
 
-# Patch-embedding input kinds: HF float rows, compact-u8 image rows (no T), compact-u8 video rows.
-KINDS = ("hf", "u8-image", "u8-video")
+# Patch-embedding inputs, as (layout, modality): HF float rows (either modality), compact-u8
+# image rows (no T copy) and compact-u8 video rows. One batch packs them in this order.
+INPUT_KINDS: tuple[tuple[str, str | None], ...] = (
+    ("hf", None),
+    ("compact-u8", "image"),
+    ("compact-u8", "video"),
+)
+InputKind = tuple[str, "str | None"]
 
 
 class PatchEmbed(nn.Module):
@@ -36,6 +42,7 @@ class PatchEmbed(nn.Module):
         k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, k, stride=k, bias=bias)
         self.in_channels = cfg.in_channels
+        # Compact-u8 weights and biases by modality (see `fold_compact`).
         self.folded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def fold_compact(
@@ -54,28 +61,29 @@ class PatchEmbed(nn.Module):
             if self.proj.bias is not None
             else torch.zeros(w.shape[0], dtype=torch.float64, device=w.device)
         )
-        for kind, mean, std, w_kind in (
-            ("u8-image", image_mean, image_std, w64.sum(dim=2)),  # [o, C, P, P]
-            ("u8-video", video_mean, video_std, w64),  # [o, C, T, P, P]
+        for modality, mean, std, w_kind in (
+            ("image", image_mean, image_std, w64.sum(dim=2)),  # [o, C, P, P]
+            ("video", video_mean, video_std, w64),  # [o, C, T, P, P]
         ):
             shape = (1, -1) + (1,) * (w_kind.dim() - 2)
             sigma = torch.tensor(std, dtype=torch.float64, device=w.device).view(shape)
             mu = torch.tensor(mean, dtype=torch.float64, device=w.device).view(shape)
             w_fold = w_kind / (255.0 * sigma)
             b_fold = b64 - (w_fold * (255.0 * mu)).flatten(1).sum(1)
-            self.folded[kind] = (w_fold.flatten(1).to(w.dtype), b_fold.to(w.dtype))
+            self.folded[modality] = (w_fold.flatten(1).to(w.dtype), b_fold.to(w.dtype))
 
-    def _weights(self, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if kind == "hf":
+    def _weights(self, kind: InputKind) -> tuple[torch.Tensor, torch.Tensor | None]:
+        layout, modality = kind
+        if layout == "hf":
             return self.proj.weight.flatten(1), self.proj.bias
-        if kind not in self.folded:
-            raise ValueError(f"compact-u8 input needs fold_compact() first (kind {kind!r})")
-        return self.folded[kind]
+        if modality not in self.folded:
+            raise ValueError(f"compact-u8 {modality} input needs fold_compact() first")
+        return self.folded[modality]
 
-    def forward(self, segments: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
-        """Row blocks of each kind, in order -> one [rows, hidden] tensor.
+    def forward(self, segments: Sequence[tuple[InputKind, torch.Tensor]]) -> torch.Tensor:
+        """Row blocks of each input kind, in order -> one [rows, hidden] tensor.
 
-        hf and u8-video rows are [n, C*T*P*P], u8-image rows [n, C*P*P].
+        hf and compact-u8 video rows are [n, C*T*P*P], compact-u8 image rows [n, C*P*P].
         """
         dtype = self.proj.weight.dtype
         if len(segments) == 1:
@@ -140,3 +148,37 @@ class VisionAttention(nn.Module):
         qkv = self.qkv(x).view(n, 3, self.num_heads, -1)
         qk = apply_rope(qkv[:, :2], *rope)
         return self.proj(attend(qk[:, 0], qk[:, 1], qkv[:, 2], batch))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 whatever the model dtype, as the checkpoints were trained.
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def layer_norm(dim: int) -> nn.Module:
+    """The towers' LayerNorm (eps 1e-6, as every Qwen-VL vision config sets)."""
+    return nn.LayerNorm(dim, eps=1e-6)
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm transformer block of every Qwen-VL tower: norm1, attn, norm2, mlp."""
+
+    def __init__(self, cfg: VisionConfig, norm: Callable[[int], nn.Module], mlp: nn.Module) -> None:
+        super().__init__()
+        self.norm1 = norm(cfg.hidden_size)
+        self.norm2 = norm(cfg.hidden_size)
+        self.attn = VisionAttention(cfg)
+        self.mlp = mlp
+
+    def forward(self, x, rope, batch, attend) -> torch.Tensor:
+        # NOTE: residual adds are in place; the tower owns x (inference only).
+        x.add_(self.attn(self.norm1(x), rope, batch, attend))
+        return x.add_(self.mlp(self.norm2(x)))

@@ -17,76 +17,86 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-# Where the vision tower lives in a checkpoint, per family, most specific first. transformers
-# >= 4.52 saves `model.visual.*`; the original Qwen2-VL / Qwen2.5-VL releases use `visual.*`
-# (transformers renames `^visual` -> `model.visual` when loading them).
-VISION_PREFIXES: dict[str, tuple[str, ...]] = {
-    "qwen2_vl": ("model.visual.", "visual."),
-    "qwen2_5_vl": ("model.visual.", "visual."),
-    "qwen3_vl": ("model.visual.", "visual."),
-}
-
-# Key renames applied after the prefix is stripped, as (regex, replacement), per family.
-# The towers mirror the checkpoints' module names, so none is needed today; a family whose
-# checkpoints spell a module differently declares it here rather than in code.
-KEY_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
-    "qwen2_vl": (),
-    "qwen2_5_vl": (),
-    "qwen3_vl": (),
-}
+from mmferry.models.base import ModelSpec
 
 
 def _shards(root: Path) -> dict[Path, list[str]]:
     """Shard file -> checkpoint keys in it; raises when no safetensors file exists."""
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, AttributeError):
+            weight_map = None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no `weight_map` object (key -> shard file name)")
+        inside = root.resolve()
         by_file: dict[Path, list[str]] = {}
         for key, name in weight_map.items():
-            by_file.setdefault(root / name, []).append(key)
+            shard = (root / str(name)).resolve()
+            # NOTE: an index names files; a path that leaves the model folder is refused, so a
+            # checkpoint cannot make the loader read arbitrary files.
+            if not shard.is_relative_to(inside):
+                raise ValueError(f"{index}: weight_map[{key!r}] = {name!r} is outside {root}")
+            by_file.setdefault(shard, []).append(key)
         return by_file
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no model.safetensors(.index.json) in {root}")
-    by_file = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            by_file[f] = list(sf.keys())
-    return by_file
+    return {f: _keys(f) for f in files}
 
 
-def _pick_prefix(keys: list[str], family: str) -> str:
-    for prefix in VISION_PREFIXES[family]:
+def _keys(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt") as sf:
+            return list(sf.keys())
+    except Exception as e:  # safetensors raises its own error types, naming no file
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _pick_prefix(keys: list[str], prefixes: tuple[str, ...]) -> str:
+    for prefix in prefixes:
         if any(k.startswith(prefix) for k in keys):
             return prefix
-    raise ValueError(
-        f"checkpoint has no vision tower: no key starts with any of {VISION_PREFIXES[family]}"
-    )
+    raise ValueError(f"checkpoint has no vision tower: no key starts with any of {prefixes}")
 
 
-def _rename(key: str, family: str) -> str:
-    for pattern, repl in KEY_RENAMES[family]:
+def _rename(key: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for pattern, repl in renames:
         key = re.sub(pattern, repl, key)
     return key
 
 
 def iter_vision_tensors(
-    model_dir: str | Path, family: str, *, device: torch.device, dtype: torch.dtype
+    model_dir: str | Path, spec: ModelSpec, *, device: torch.device, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (tower key, tensor on device in dtype) for every vision tensor, one at a time."""
+    """Yield (tower key, tensor on device in dtype) for every vision tensor, one at a time.
+
+    The spec says where the tower lives in the checkpoint (`vision_prefixes`, most specific
+    first) and which keys it spells differently (`key_renames`).
+    """
     root = Path(model_dir)
     shards = _shards(root)
-    prefix = _pick_prefix([k for keys in shards.values() for k in keys], family)
+    prefix = _pick_prefix([k for keys in shards.values() for k in keys], spec.vision_prefixes)
     for path, keys in shards.items():
         wanted = [k for k in keys if k.startswith(prefix)]
         if not wanted:
             continue  # shards holding only language-model weights are never opened
-        with safe_open(str(path), framework="pt", device="cpu") as sf:
+        try:
+            sf = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # safetensors' errors name no file
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        with sf:
             for key in wanted:
-                tensor = sf.get_tensor(key)
-                if tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                yield _rename(key[len(prefix) :], family), tensor.to(device)
+                try:
+                    tensor = sf.get_tensor(key)
+                except Exception as e:
+                    raise ValueError(f"{path}: cannot read {key} ({e})") from None
+                if not tensor.is_floating_point():
+                    raise ValueError(
+                        f"{path}: {key} has dtype {tensor.dtype}; vision weights are floating point"
+                    )
+                yield _rename(key[len(prefix) :], spec.key_renames), tensor.to(device, dtype)
 
 
 def assign_state(module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:

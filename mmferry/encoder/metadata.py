@@ -1,7 +1,8 @@
 """Everything a vision forward needs that depends only on the grids, computed on the host.
 
 Grids are Python ints, so cu_seqlens, rotary position ids, position-table interpolation taps and
-window permutations are built here with CPU tensor ops, cached per frame shape (bounded LRU), and
+window permutations are built here with CPU tensor ops, cached per frame shape (least recently
+used first out, bounded by the bytes the cached tensors hold: `CACHE_BYTES`), and
 sent to the encoder's device once (pinned, non-blocking) by `TowerMetadata.to`. The forward then
 never asks the device a question: nothing in it reads a tensor value back to the host.
 """
@@ -9,8 +10,11 @@ never asks the device a question: nothing in it reads a tensor value back to the
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -18,11 +22,76 @@ from mmferry.encoder.attention import VarlenBatch, varlen_batch
 
 Grid = tuple[int, int, int]
 
-# NOTE: the lru_cached helpers below return shared tensors; callers only read them and build
+# Bytes of tensors the per-frame-shape helpers may keep; a 400 x 400-patch frame's entries
+# take about 10 MB, so this holds dozens of large shapes and thousands of common ones.
+CACHE_BYTES = 64 << 20
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class _ShapeCache:
+    """One least-recently-used store for every helper, bounded in bytes, thread-safe."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.bytes = 0
+        self._entries: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, fn: F) -> F:
+        @functools.wraps(fn)
+        def cached(*args: Any) -> Any:
+            key = (fn.__name__, *args)
+            with self._lock:
+                hit = self._entries.get(key)
+                if hit is not None:
+                    self._entries.move_to_end(key)
+                    return hit[0]
+            value = fn(*args)
+            size = _nbytes(value)
+            with self._lock:
+                if key not in self._entries and size <= self.capacity:
+                    self._entries[key] = (value, size)
+                    self.bytes += size
+                    while self.bytes > self.capacity:
+                        _, (_, dropped) = self._entries.popitem(last=False)
+                        self.bytes -= dropped
+            return value
+
+        return cached  # type: ignore[return-value]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.bytes = 0
+
+
+_CACHE = _ShapeCache(CACHE_BYTES)
+
+
+def cache_bytes() -> int:
+    """Bytes the per-frame-shape cache holds now (at most `CACHE_BYTES`)."""
+    return _CACHE.bytes
+
+
+def clear_caches() -> None:
+    """Drop every cached per-frame-shape tensor."""
+    _CACHE.clear()
+
+
+# NOTE: the cached helpers below return shared tensors; callers only read them and build
 # new tensors from them (repeat, cat, +), never write into them.
 
 
-@functools.lru_cache(maxsize=512)
+@_CACHE
 def frame_positions(h: int, w: int, merge: int) -> torch.Tensor:
     """(row, col) of each patch of one h x w frame in merge-block order: int64 [h*w, 2]."""
     rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
@@ -43,7 +112,7 @@ def _axis_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor,
     return taps, weights
 
 
-@functools.lru_cache(maxsize=512)
+@_CACHE
 def frame_interpolation(h: int, w: int, merge: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Taps [h*w, 4] (int64, into the flat side x side table) and weights [h*w, 4] (float32)
     that resample the learned position table bilinearly (align_corners) to an h x w frame,
@@ -56,7 +125,7 @@ def frame_interpolation(h: int, w: int, merge: int, side: int) -> tuple[torch.Te
     return taps, weights
 
 
-@functools.lru_cache(maxsize=512)
+@_CACHE
 def frame_windows(h: int, w: int, merge: int, window: int) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Window attention order of one frame (Qwen2.5-VL).
 

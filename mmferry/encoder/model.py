@@ -7,65 +7,21 @@ the encoder's device in one step, runs ONE tower forward for the whole batch and
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 
 import torch
 from torch import nn
 
-from mmferry.config import VisionConfig, load_model_config, preset
+from mmferry.config import VisionConfig, load_model_config
 from mmferry.encoder.attention import get_attention
-from mmferry.encoder.layers import KINDS
+from mmferry.encoder.layers import INPUT_KINDS, InputKind
 from mmferry.encoder.loader import assign_state, iter_vision_tensors
-from mmferry.encoder.qwen2_5_vl import Qwen2VisionTower
-from mmferry.encoder.qwen3_vl import Qwen3VisionTower
+from mmferry.feed.materialize import materialize_features
 from mmferry.items import MultimodalItem
-from mmferry.materialize import materialize_features
-
-# Built-in architectures for `VisionEncoder.random`: the public checkpoints' towers
-# (Qwen3-VL-2B/4B, Qwen2.5-VL-7B, Qwen2-VL-2B).
-RANDOM_CONFIGS: MappingProxyType[str, VisionConfig] = MappingProxyType(
-    {
-        "qwen3-vl": VisionConfig(
-            family="qwen3_vl",
-            depth=24,
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_heads=16,
-            out_hidden_size=2048,
-            hidden_act="gelu_pytorch_tanh",
-            patch_size=16,
-            num_position_embeddings=2304,
-            deepstack_visual_indexes=(5, 11, 17),
-        ),
-        "qwen2.5-vl": VisionConfig(
-            family="qwen2_5_vl",
-            depth=32,
-            hidden_size=1280,
-            intermediate_size=3420,
-            num_heads=16,
-            out_hidden_size=3584,
-            hidden_act="silu",
-            patch_size=14,
-            window_size=112,
-            fullatt_block_indexes=(7, 15, 23, 31),
-            tokens_per_second=2,
-        ),
-        "qwen2-vl": VisionConfig(
-            family="qwen2_vl",
-            depth=32,
-            hidden_size=1280,
-            intermediate_size=5120,
-            num_heads=16,
-            out_hidden_size=1536,
-            hidden_act="quick_gelu",
-            patch_size=14,
-        ),
-    }
-)
-_FAMILY_PRESET = {"qwen3_vl": "qwen3-vl", "qwen2_5_vl": "qwen2.5-vl", "qwen2_vl": "qwen2-vl"}
+from mmferry.models.base import spec_for
 
 
 @dataclass(frozen=True)
@@ -74,15 +30,6 @@ class VisionOutput:
 
     embeds: torch.Tensor
     deepstack: tuple[torch.Tensor, ...] = ()
-
-
-def build_tower(cfg: VisionConfig) -> nn.Module:
-    """The tower module for `cfg.family` (parameters wherever the current device context says)."""
-    if cfg.family == "qwen3_vl":
-        return Qwen3VisionTower(cfg)
-    if cfg.family in ("qwen2_5_vl", "qwen2_vl"):
-        return Qwen2VisionTower(cfg)
-    raise ValueError(f"no vision tower for family {cfg.family!r}")
 
 
 def _random_state(tower: nn.Module, seed: int, dtype: torch.dtype, device: torch.device):
@@ -136,10 +83,11 @@ class VisionEncoder:
     ) -> VisionEncoder:
         """Load only the vision tower of a local Qwen-VL checkpoint folder."""
         mc = load_model_config(model_dir)
+        spec = spec_for(mc.model_type)
         device = torch.device(device)
         with torch.device("meta"):
-            tower = build_tower(mc.vision)
-        assign_state(tower, iter_vision_tensors(model_dir, mc.family, device=device, dtype=dtype))
+            tower = spec.tower(mc.vision)
+        assign_state(tower, iter_vision_tensors(model_dir, spec, device=device, dtype=dtype))
         p = mc.processor
         return cls(
             tower,
@@ -162,21 +110,20 @@ class VisionEncoder:
         attention: str = "sdpa",
     ) -> VisionEncoder:
         """A tower with the real architecture and SEEDED RANDOM weights (not a checkpoint)."""
-        key = model.lower().replace("_", "-")
         if config is None:
-            if key not in RANDOM_CONFIGS:
-                raise ValueError(
-                    f"unknown model {model!r}; choose one of {', '.join(RANDOM_CONFIGS)}"
-                )
-            config = RANDOM_CONFIGS[key]
+            try:
+                config = spec_for(model).random_config
+            except ValueError as e:
+                raise ValueError(f"unknown model {model!r}: {e}") from None
+        spec = spec_for(config.family)
         device = torch.device(device)
         with torch.device("meta"):
-            tower = build_tower(config)
+            tower = spec.tower(config)
         if device.type != "meta":
             assign_state(tower, _random_state(tower, seed, dtype, device))
         else:
             tower.to(dtype)
-        p = preset(_FAMILY_PRESET[config.family])
+        p = spec.processor
         return cls(
             tower,
             config,
@@ -208,16 +155,18 @@ class VisionEncoder:
 
     # -- encoding -------------------------------------------------------------------------
 
-    def _kind(self, layout: str, modality: str | None, width: int) -> str:
+    def _kind(self, layout: str, modality: str | None, width: int) -> InputKind:
+        """The patch-embedding input kind (layout, modality) of feature rows `width` wide."""
         c = self.config
         patch = c.in_channels * c.patch_size**2
         full = patch * c.temporal_patch_size
         if layout == "hf":
-            kind, want = "hf", full
+            # Both modalities carry all T copies, so one weight serves them.
+            kind, want = ("hf", None), full
         elif layout == "compact-u8":
             if modality is None:  # a packed tensor: the width says which
                 modality = "image" if width == patch else "video"
-            kind, want = ("u8-image", patch) if modality == "image" else ("u8-video", full)
+            kind, want = (layout, modality), patch if modality == "image" else full
         else:
             raise ValueError(f"layout must be one of {self.accepted_layouts}, got {layout!r}")
         if width != want:
@@ -253,13 +202,16 @@ class VisionEncoder:
         # attention batches them (see attention.py).
         order = sorted(
             range(len(items)),
-            key=lambda i: (KINDS.index(kinds[i]), items[i].grid_thw[1] * items[i].grid_thw[2]),
+            key=lambda i: (
+                INPUT_KINDS.index(kinds[i]),
+                items[i].grid_thw[1] * items[i].grid_thw[2],
+            ),
         )
         segments = []
-        for kind in KINDS:
+        for kind in INPUT_KINDS:
             feats = [items[i].feature for i in order if kinds[i] == kind]
             if feats:
-                dtype = self.dtype if kind == "hf" else torch.uint8
+                dtype = self.dtype if kind[0] == "hf" else torch.uint8
                 segments.append(
                     (kind, materialize_features(feats, device=self.device, dtype=dtype))
                 )
@@ -270,6 +222,30 @@ class VisionEncoder:
             result[i] = outs[pos]
         return result
 
+    def _check_grids(self, grid_thw: Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:
+        """Grids as int triples, checked before anything is allocated for them."""
+        merge = self.config.spatial_merge_size
+        grids = []
+        for i, g in enumerate(grid_thw):
+            g = tuple(g)
+            if len(g) != 3:
+                raise ValueError(f"grid_thw[{i}] = {g} must have three entries (t, h, w)")
+            try:
+                # operator.index takes ints of any kind (numpy too) and refuses floats and bools.
+                g = tuple(operator.index(v) for v in g if not isinstance(v, bool))
+            except TypeError:
+                g = ()
+            if len(g) != 3:
+                raise ValueError(f"grid_thw[{i}] = {tuple(grid_thw[i])} must hold integers")
+            if min(g) < 1:
+                raise ValueError(f"grid_thw[{i}] = {g} must be positive")
+            if g[1] % merge or g[2] % merge:
+                raise ValueError(
+                    f"grid_thw[{i}] = {g}: h and w must be multiples of the merge size {merge}"
+                )
+            grids.append(g)
+        return grids
+
     def forward_packed(
         self,
         pixel_values: torch.Tensor,
@@ -279,10 +255,7 @@ class VisionEncoder:
     ) -> list[VisionOutput]:
         """Encode one packed tensor of rows for `grid_thw` (pass grids on the host: a CUDA
         tensor costs one sync to read). Compact-u8 widths C*P*P / C*T*P*P mean images / videos."""
-        grids = [
-            tuple(int(v) for v in g)
-            for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)
-        ]
+        grids = self._check_grids(grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)
         if not grids:
             return []
         rows = sum(t * h * w for t, h, w in grids)
@@ -292,12 +265,13 @@ class VisionEncoder:
                 f"{rows} patch rows of grid_thw"
             )
         kind = self._kind(layout, None, pixel_values.shape[1])
-        if (kind == "hf") != pixel_values.is_floating_point():
+        is_hf = kind[0] == "hf"
+        if is_hf != pixel_values.is_floating_point():
             raise ValueError(
-                f"{layout} pixel_values must be {'floating point' if kind == 'hf' else 'uint8'}, "
+                f"{layout} pixel_values must be {'floating point' if is_hf else 'uint8'}, "
                 f"got {pixel_values.dtype}"
             )
-        if kind == "u8-image" and any(t != 1 for t, _, _ in grids):
+        if kind == ("compact-u8", "image") and any(t != 1 for t, _, _ in grids):
             raise ValueError("compact-u8 image rows need grid_t == 1 for every item")
         x = pixel_values.to(self.device, non_blocking=True)
         return self._split(*self._run([(kind, x)], grids), grids)

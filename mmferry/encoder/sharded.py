@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from mmferry.encoder.assign import FRAME_LOCAL_FAMILIES, Assignment, CostModel, Shard, assign_work
+from mmferry.encoder.assign import Assignment, CostModel, Shard, assign_work
+from mmferry.feed.materialize import materialize_features
 from mmferry.items import MultimodalItem
-from mmferry.materialize import materialize_features
+from mmferry.models.base import spec_for
 
 if TYPE_CHECKING:
     from mmferry.encoder.model import VisionEncoder, VisionOutput
@@ -52,7 +53,8 @@ def plan_for(
         grids,
         world_size,
         merge_size=cfg.spatial_merge_size,
-        split_frames=cfg.family in FRAME_LOCAL_FAMILIES,
+        # NOTE: exact only for towers that never attend across a frame (the spec says).
+        split_frames=spec_for(cfg.family).frame_local,
         cost_model=CostModel.for_config(cfg),
     )
 

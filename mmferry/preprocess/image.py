@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from mmferry.config import ProcessorConfig
 from mmferry.items import LAYOUTS, Layout, MultimodalItem
 from mmferry.preprocess.decode import as_batch, decode_image, pixels_identity
 from mmferry.preprocess.hashing import item_hash
-from mmferry.preprocess.patchify import norm_affine, patchify, resize_u8
+from mmferry.preprocess.patchify import patchify, resize_u8
 from mmferry.preprocess.resize import smart_resize
 from mmferry.preprocess.threads import intra_op_threads, preprocess_threads, threads_for
 
@@ -61,24 +59,3 @@ def process_image(
         hash=item_hash("image", identity, cfg),
         merge_size=cfg.merge_size,
     )
-
-
-def compact_to_hf(item: MultimodalItem, cfg: ProcessorConfig) -> torch.Tensor:
-    """The hf-layout float32 features of a compact-u8 item (normalised; images get T copies)."""
-    if item.layout != "compact-u8":
-        raise ValueError(f"expected a compact-u8 item, got layout {item.layout!r}")
-    c, t, p = 3, cfg.temporal_patch_size, cfg.patch_size
-    mean, std = (
-        (cfg.image_mean, cfg.image_std)
-        if item.modality == "image"
-        else (
-            cfg.video_mean,
-            cfg.video_std,
-        )
-    )
-    scale, shift = norm_affine(mean, std)
-    rows = item.feature.shape[0]
-    # [N, C*T'*P*P] -> [N, C, T', P*P] with T' = 1 (image) or T (video)
-    x = item.feature.view(rows, c, -1, p * p).expand(rows, c, t, p * p)
-    out = x.float() * scale.view(1, c, 1, 1) + shift.view(1, c, 1, 1)
-    return out.reshape(rows, c * t * p * p)

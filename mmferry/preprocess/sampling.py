@@ -1,7 +1,8 @@
 """Which frames of a video to keep, their timestamps, and each frame's pixel budget.
 
-Sampling follows transformers 5.24: `Qwen3VLVideoProcessor.sample_frames` for the qwen3_vl
-family and `Qwen2VLVideoProcessor.sample_frames` for qwen2_vl / qwen2_5_vl, with two
+Each family's spec (`mmferry/models/`) picks one rule of each kind; the rules follow
+transformers 5.24: `even_indices` / `per_frame_size` are `Qwen3VLVideoProcessor`'s and
+`stride_indices` / `whole_clip_size` are `Qwen2VLVideoProcessor`'s, with two
 deliberate differences that only matter where transformers fails: a clip shorter than the
 temporal patch size keeps all its frames (transformers divides by zero or raises), and
 `num_frames` larger than the clip is capped at the clip's length.
@@ -73,17 +74,39 @@ def sample_indices(
         raise ValueError("a video needs at least one frame")
     num_frames = _check_request(fps, num_frames)
     source_fps = check_source_fps(source_fps)
-    fps = cfg.fps if fps is None else float(fps)
-    if fps <= 0 or source_fps <= 0:
+    if fps is None and num_frames is None:
+        # The processor's own settings, as transformers applies them.
+        if not cfg.do_sample_frames:
+            return list(range(total))
+        fps, num_frames = (None, cfg.num_frames) if cfg.num_frames else (cfg.fps, None)
+    if fps is not None and (fps <= 0 or source_fps <= 0):
         raise ValueError(f"fps and source fps must be positive, got {fps} and {source_fps}")
-    if cfg.family == "qwen3_vl":
-        if num_frames is None:
-            n = int(total / source_fps * fps)
-            n = min(max(n, cfg.min_frames), cfg.max_frames, total)
-        else:
-            n = min(num_frames, total)
-        # NOTE: numpy's round is half-to-even, as transformers uses.
-        return np.linspace(0, total - 1, n).round().astype(np.int64).tolist()
+    from mmferry.models import spec_for
+
+    return spec_for(cfg.family).sample_frames(cfg, total, source_fps, fps, num_frames)
+
+
+def even_indices(
+    cfg: ProcessorConfig, total: int, source_fps: float, fps: float | None, num_frames: int | None
+) -> list[int]:
+    """`n` frames spread evenly from the first to the last (Qwen3-VL's rule)."""
+    if num_frames is not None:
+        n = min(num_frames, total)
+    elif fps is not None:
+        n = int(total / source_fps * fps)
+        n = min(max(n, cfg.min_frames), cfg.max_frames, total)
+    else:
+        n = min(total, cfg.max_frames)
+    # NOTE: numpy's round is half-to-even, as transformers uses.
+    return np.linspace(0, total - 1, n).round().astype(np.int64).tolist()
+
+
+def stride_indices(
+    cfg: ProcessorConfig, total: int, source_fps: float, fps: float | None, num_frames: int | None
+) -> list[int]:
+    """Whole temporal patches of frames at a fixed stride from the first (Qwen2-VL's rule)."""
+    if fps is None and num_frames is None:
+        return list(range(total))
     t = cfg.temporal_patch_size
     if num_frames is not None:
         n = round(num_frames / t) * t
@@ -123,25 +146,41 @@ def video_target_size(
 ) -> tuple[int, int]:
     """(height, width) every sampled frame is resized to.
 
-    `num_frames` is the sampled count before odd-count padding (as transformers sizes it);
-    clips shorter than the temporal patch are sized as if already padded to it.
+    `num_frames` is the sampled count before odd-count padding (as transformers sizes it).
     """
+    from mmferry.models import spec_for
+
+    return spec_for(cfg.family).frame_size(cfg, num_frames, height, width)
+
+
+def per_frame_size(
+    cfg: ProcessorConfig, num_frames: int, height: int, width: int
+) -> tuple[int, int]:
+    """The pixel budget spans the clip's frames (Qwen3-VL's rule); clips shorter than the
+    temporal patch are sized as if already padded to it."""
     f = cfg.factor
     lo, hi = cfg.video_min_pixels, cfg.video_max_pixels
-    if cfg.family == "qwen3_vl":
-        n = max(num_frames, cfg.temporal_patch_size)
-        if cfg.cap_pixels_per_frame:
-            per_frame = max(min(QWEN3_MAX_FRAME_TOKENS * f * f, hi // n), int(lo * 1.05))
-            hi = per_frame * n
-        return smart_resize_video(
-            n,
-            height,
-            width,
-            temporal_factor=cfg.temporal_patch_size,
-            factor=f,
-            min_pixels=lo,
-            max_pixels=hi,
-        )
+    n = max(num_frames, cfg.temporal_patch_size)
+    if cfg.cap_pixels_per_frame:
+        per_frame = max(min(QWEN3_MAX_FRAME_TOKENS * f * f, hi // n), int(lo * 1.05))
+        hi = per_frame * n
+    return smart_resize_video(
+        n,
+        height,
+        width,
+        temporal_factor=cfg.temporal_patch_size,
+        factor=f,
+        min_pixels=lo,
+        max_pixels=hi,
+    )
+
+
+def whole_clip_size(
+    cfg: ProcessorConfig, num_frames: int, height: int, width: int
+) -> tuple[int, int]:
+    """One frame's pixel budget, optionally capped by the clip's token cap (Qwen2-VL's rule)."""
+    f = cfg.factor
+    lo, hi = cfg.video_min_pixels, cfg.video_max_pixels
     if cfg.cap_pixels_per_frame:
         total_pixels = int(QWEN2_MAX_VIDEO_TOKENS * f * f * 0.9)
         hi = max(min(hi, total_pixels * cfg.temporal_patch_size // num_frames), int(lo * 1.05))

@@ -18,6 +18,7 @@ import torch
 
 from mmferry.config import ProcessorConfig
 from mmferry.items import Layout, MultimodalItem
+from mmferry.models.base import spec_for
 from mmferry.preprocess.decode import decode_image, describe, pixels_identity, read_source_bytes
 from mmferry.preprocess.hashing import item_hash
 from mmferry.preprocess.image import check_layout
@@ -180,7 +181,7 @@ def process_video(
     )
     settings = json.dumps({"fps": fps, "num_frames": num_frames, "source_fps": source_fps})
     timestamps = second_per_grid_t = None
-    if cfg.family == "qwen3_vl":
+    if spec_for(cfg.family).timestamps_in_prompt:
         timestamps = frame_timestamps(indices, rate, temporal, sampled.times)
     else:
         # As Qwen2.5-VL's processor: T / the sampled frame rate (metadata.sampled_fps).

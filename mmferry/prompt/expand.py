@@ -20,6 +20,7 @@ import torch
 
 from mmferry.config import ProcessorConfig
 from mmferry.items import MultimodalItem
+from mmferry.models.base import spec_for
 from mmferry.prompt.mrope import Advance, VisionSpan, mrope_positions
 from mmferry.prompt.tokenizer import load_tokenizer
 
@@ -89,7 +90,8 @@ def expand_prompt(
     _check_counts("image", len(image_at), [items[i] for i in images], "<|image_pad|>")
     _check_counts("video", len(video_at), [items[i] for i in videos], "<|video_pad|>")
 
-    timestamps_in_text = cfg.family == "qwen3_vl"
+    spec = spec_for(cfg.family)
+    timestamps_in_text = spec.timestamps_in_prompt
     encoder = None
     if timestamps_in_text and videos:
         encoder = load_tokenizer(tokenizer)
@@ -112,7 +114,7 @@ def expand_prompt(
         if item.modality == "video" and timestamps_in_text:
             if item.timestamps is None:
                 raise ValueError(
-                    "a Qwen3-VL video item needs one timestamp per temporal patch "
+                    "this model's video items need one timestamp per temporal patch "
                     "(item.timestamps); build it with Processor.video"
                 )
             per_frame = gh * gw
@@ -132,7 +134,7 @@ def expand_prompt(
         pieces.append(np.full(n, pad, dtype=np.int64))
         offsets[k].append((out_len, out_len + n))
         interval = 1.0
-        if item.modality == "video" and cfg.family == "qwen2_5_vl":
+        if item.modality == "video" and spec.video_time_in_mrope:
             # transformers' default when no second_per_grid_ts is given is 1 second per patch.
             spgt = 1.0 if item.second_per_grid_t is None else item.second_per_grid_t
             interval = float(np.float32(spgt) * np.float32(cfg.tokens_per_second))

@@ -6,11 +6,15 @@ acknowledged, died, or the request was cancelled. When no slice fits, the featur
 the shared-memory arena instead (counted in `stats.fallbacks`, warned once): nothing is lost and
 nothing waits. The allocator and lease logic are the same for every backing store, so the CUDA
 IPC store (`CudaBacking`) and the host store (`HostBacking`) share one code path.
+
+On a CUDA store every hand-over is stream-ordered, never a host wait: the producer's copy into a
+slice records an event that lives with the slice until it is reclaimed, consumers wait on it on
+their stream, and `ack` ends a reader's lease only once its completion event has fired.
 """
 
 from __future__ import annotations
 
-import functools
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -18,10 +22,13 @@ from typing import Any, Protocol
 
 import torch
 
-from mmferry.transport.leases import LeaseTable, table_bytes
-from mmferry.transport.segment import Segment
-from mmferry.transport.shm import ShmArena, ShmHandle, _dtype_from_name, open_shared
+from mmferry.transport import attach
+from mmferry.transport.handles import check_layout, check_lease, check_range
+from mmferry.transport.leases import LeaseTable, check_shape, table_bytes
+from mmferry.transport.segment import Segment, check_name
+from mmferry.transport.shm import ShmArena, ShmHandle, open_shared
 from mmferry.transport.slots import SlotBook
+from mmferry.transport.store import open_store
 
 
 class Backing(Protocol):
@@ -110,21 +117,42 @@ class FeaturePool:
         max_slots: int = 1024,
         max_readers: int = 8,
     ) -> None:
+        check_shape(max_slots, max_readers)
         self.backing = backing
         self._store = backing.store()
         self._control = Segment.create(table_bytes(max_slots, max_readers))
-        table = LeaseTable(
-            memoryview(self._control.mm), create=True, max_slots=max_slots, max_readers=max_readers
-        )
+        try:
+            table = LeaseTable(
+                memoryview(self._control.mm),
+                self._control.fd,
+                create=True,
+                max_slots=max_slots,
+                max_readers=max_readers,
+                data_bytes=backing.capacity,
+            )
+        except BaseException:
+            self._control.unlink()
+            raise
         self._book = SlotBook(backing.capacity, table)
         self._own_fallback = fallback is None
-        self.fallback = fallback or ShmArena(max(2 * backing.capacity, 64 << 20), on_full="inline")
+        self._fallback = fallback
+        self._lock = threading.Lock()
         self._warned = False
         self.stats = PoolStats()
 
     @property
+    def fallback(self) -> ShmArena:
+        """The arena that takes features the pool has no room for (made on first need)."""
+        with self._lock:
+            if self._fallback is None:
+                self._fallback = ShmArena(
+                    max(2 * self.backing.capacity, 64 << 20), on_full="inline"
+                )
+            return self._fallback
+
+    @property
     def used_bytes(self) -> int:
-        return self._book.alloc.used_bytes
+        return self._book.used_bytes
 
     @property
     def live_slots(self) -> int:
@@ -133,49 +161,50 @@ class FeaturePool:
     def put(self, tensor: torch.Tensor, *, readers: int = 1) -> PoolHandle | ShmHandle:
         """Place `tensor` in the pool for `readers` consumers, or send it through shared memory."""
         self._book.check_put(tensor, readers)
-        self.stats.puts += 1
+        with self._lock:
+            self.stats.puts += 1
         nbytes = tensor.numel() * tensor.element_size()
-        placed = self._place(nbytes) if nbytes else None
-        if placed is None:
-            return self._fall_back(tensor, readers)
-        slot, offset = placed
-        ready = None
-        try:
+        ready: list[bytes] = []
+
+        def fill(offset: int) -> torch.cuda.Event | None:
             dst = self._store[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-            if dst.is_cuda:
+            if not dst.is_cuda:
+                dst.copy_(tensor.detach())
+                return None
+            # NOTE: the copy and its event go on the store device's current stream; the event
+            # is kept with the slot (returned to the book) until the slot is reclaimed, so
+            # every consumer that imports it finds it alive.
+            with torch.cuda.device(dst.device):
+                stream = torch.cuda.current_stream(dst.device)
                 dst.copy_(tensor.detach(), non_blocking=True)
                 event = torch.cuda.Event(interprocess=True)
-                event.record()
-                ready = event.ipc_handle()  # consumers wait on this on their stream, not the host
-            else:
-                dst.copy_(tensor.detach())
-        except BaseException:
-            self._book.untake(slot, offset)  # nobody holds a handle to it yet
-            raise
-        gen = self._book.grant(slot, offset, readers)
+                event.record(stream)
+            ready.append(event.ipc_handle())
+            return event
+
+        grant = self._book.put(nbytes, readers, fill) if nbytes else None
+        if grant is None and nbytes and self.reclaim():
+            grant = self._book.put(nbytes, readers, fill)
+        if grant is None:
+            return self._fall_back(tensor, readers)
         return PoolHandle(
             store=self.backing.export(),
             control=self._control.name,
-            offset=offset,
+            offset=grant.offset,
             nbytes=nbytes,
             shape=tuple(tensor.shape),
             dtype=str(tensor.dtype),
-            slot=slot,
-            gen=gen,
+            slot=grant.slot,
+            gen=grant.gen,
             readers=readers,
-            ready=ready,
+            ready=ready[0] if ready else None,
         )
 
-    def _place(self, nbytes: int) -> tuple[int, int] | None:
-        placed = self._book.take(nbytes)
-        if placed is None and self.reclaim():
-            placed = self._book.take(nbytes)
-        return placed
-
     def _fall_back(self, tensor: torch.Tensor, readers: int) -> ShmHandle:
-        self.stats.fallbacks += 1
-        if not self._warned:
-            self._warned = True
+        with self._lock:
+            self.stats.fallbacks += 1
+            warn, self._warned = not self._warned, True
+        if warn:
             warnings.warn(
                 f"feature pool full ({self.used_bytes}/{self.backing.capacity} bytes used); "
                 "sending features through shared memory instead (see stats.fallbacks)",
@@ -188,7 +217,9 @@ class FeaturePool:
     def reclaim(self) -> int:
         """Free slices whose readers all acknowledged, died, or were cancelled; the count."""
         freed = self._book.reclaim()
-        self.stats.freed += freed
+        if freed:
+            with self._lock:
+                self.stats.freed += freed
         return freed
 
     def cancel(self, handle: PoolHandle | ShmHandle) -> None:
@@ -200,8 +231,8 @@ class FeaturePool:
 
     def close(self) -> None:
         self._control.unlink()
-        if self._own_fallback:
-            self.fallback.close()
+        if self._own_fallback and self._fallback is not None:
+            self._fallback.close()
         close = getattr(self.backing, "close", None)
         if close is not None:
             close()
@@ -213,41 +244,124 @@ class FeaturePool:
         self.close()
 
 
-@functools.lru_cache(maxsize=16)
-def _open_pool(store: tuple, control: str) -> tuple[torch.Tensor, LeaseTable]:
-    # Opened once per pool per consumer process: the IPC mapping is costly, slices are cheap.
-    if store[0] == "host":
-        seg = Segment.attach(store[1])
-        flat = torch.frombuffer(seg.mm, dtype=torch.uint8)
-    elif store[0] == "cuda":
-        rebuild, args = store[1], store[2]
-        flat = rebuild(*args)
-    else:
-        raise ValueError(f"unknown pool store kind {store[0]!r}")
-    ctl = Segment.attach(control)
-    return flat, LeaseTable(memoryview(ctl.mm), create=False)
+# -- consumer side -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Lease:
+    """A reader's open lease in this process: what keeps its pool mapped and its event alive."""
+
+    control: attach.Attachment
+    flat: torch.Tensor
+    ready: Any = None  # the imported ready event, alive until the lease ends
+
+
+_LOCK = threading.Lock()
+_HELD: dict[tuple, _Lease] = {}  # (control, slot, gen, reader) -> open lease
+_PENDING: list[tuple[Any, tuple, _Lease]] = []  # (completion event, key, lease) after an ack
+
+
+def _key(handle: PoolHandle) -> tuple:
+    return (handle.control, handle.slot, handle.gen, handle.reader)
+
+
+def _check(handle: PoolHandle) -> torch.dtype:
+    if (
+        not isinstance(handle.store, tuple)
+        or not handle.store
+        or handle.store[0]
+        not in (
+            "host",
+            "cuda",
+        )
+    ):
+        raise ValueError(f"unknown pool store {handle.store!r:.80} in handle")
+    check_name(handle.control)
+    check_lease(handle.slot, handle.gen, handle.reader, handle.readers)
+    dtype = check_layout(handle.shape, handle.dtype, handle.nbytes)
+    if handle.nbytes == 0:
+        raise ValueError("a zero-byte pool handle is never issued: forged handle refused")
+    return dtype
+
+
+def settle_acks() -> int:
+    """End the leases of acknowledged reads whose completion events have fired; the count."""
+    done = 0
+    with _LOCK:
+        for item in list(_PENDING):
+            event, key, lease = item
+            if event.query():
+                _PENDING.remove(item)
+                lease.control.table.release(*key[1:])
+                done += 1
+    return done
 
 
 def open_feature(handle: PoolHandle | ShmHandle) -> torch.Tensor:
-    """A view of the feature; a `PoolHandle` reader must `ack` once done with it."""
+    """A view of the feature; a `PoolHandle` reader must `ack` once done with it.
+
+    Opening again before the `ack` returns a view under the same lease; after it, it raises.
+    Host-store views are read-only mappings.
+    """
     if isinstance(handle, ShmHandle):
         return open_shared(handle)
     if not isinstance(handle, PoolHandle):
         raise ValueError(f"expected a PoolHandle or ShmHandle, got {type(handle).__name__}")
-    flat, table = _open_pool(handle.store, handle.control)
-    table.mark_open(handle.slot, handle.gen, handle.reader)
-    view = flat[handle.offset : handle.offset + handle.nbytes]
-    if handle.ready is not None:
-        ready = torch.cuda.Event.from_ipc_handle(flat.device, handle.ready)
-        torch.cuda.current_stream(flat.device).wait_event(ready)
-    return view.view(_dtype_from_name(handle.dtype)).view(handle.shape)
+    dtype = _check(handle)
+    settle_acks()
+    key = _key(handle)
+    with _LOCK:
+        lease = _HELD.get(key)
+        if lease is None:
+            control = attach.attachment(handle.control, with_data=False)
+            flat = open_store(handle.store)
+            length = min(control.data_bytes, flat.numel())
+            check_range(handle.offset, handle.nbytes, 0, length)
+            control.table.acquire(
+                handle.slot, handle.gen, handle.reader, handle.offset, handle.nbytes
+            )
+            try:
+                ready = None
+                if handle.ready is not None:
+                    ready = torch.cuda.Event.from_ipc_handle(flat.device, handle.ready)
+                    # Device-side ordering after the producer's copy: no host wait.
+                    torch.cuda.current_stream(flat.device).wait_event(ready)
+            except BaseException:
+                control.table.release(handle.slot, handle.gen, handle.reader)
+                raise
+            lease = _HELD[key] = _Lease(control, flat, ready)
+    view = lease.flat[handle.offset : handle.offset + handle.nbytes]
+    return view.view(dtype).view(handle.shape)
 
 
 def ack(handle: PoolHandle | ShmHandle, *, after: Any = None) -> None:
-    """Reader done: the slice may be reused (`after`: a CUDA event ending the reads, waited)."""
+    """Reader done: its lease ends once its reads have completed.
+
+    On a CUDA store the completion is `after` (an event recorded after the reads) or, without
+    it, an event recorded now on the current stream; the slice is released when that event has
+    fired (checked by `settle_acks`, which every `open_feature` and `ack` call runs), never by
+    a host wait. A reader that acks without opening declines its lease.
+    """
     if isinstance(handle, ShmHandle):
         return  # shared-memory leases end when the views die
-    if after is not None:
-        after.synchronize()
-    _, table = _open_pool(handle.store, handle.control)
-    table.mark_released(handle.slot, handle.gen, handle.reader)
+    if not isinstance(handle, PoolHandle):
+        raise ValueError(f"expected a PoolHandle or ShmHandle, got {type(handle).__name__}")
+    _check(handle)
+    key = _key(handle)
+    with _LOCK:
+        lease = _HELD.pop(key, None)
+        if lease is None:
+            control = attach.attachment(handle.control, with_data=False)
+            control.table.acquire(
+                handle.slot, handle.gen, handle.reader, handle.offset, handle.nbytes
+            )
+            control.table.release(handle.slot, handle.gen, handle.reader)
+            return
+        if after is None and lease.flat.is_cuda:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(lease.flat.device))
+        if after is None:
+            lease.control.table.release(handle.slot, handle.gen, handle.reader)
+            return
+        _PENDING.append((after, key, lease))
+    settle_acks()

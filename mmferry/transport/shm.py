@@ -1,29 +1,34 @@
 """Shared-memory transport: a producer's bounded arena, small handles, zero-copy leased views.
 
 Producer: `arena.put(tensor) -> ShmHandle` copies the bytes once into a slot of one POSIX
-segment. Consumer (any process): `open_shared(handle)` maps the segment and returns a tensor
-viewing the slot. The slot comes back to the producer only when every reader's views, every
-tensor aliasing them, and every pending copy out of them are gone (or the reader died).
+segment. Consumer (any process): `open_shared(handle)` maps the segment and returns a read-only
+tensor viewing the slot. The slot comes back to the producer only when every reader's views,
+every tensor aliasing them, and every pending copy out of them are gone (or the reader died).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import mmap
+import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 
-from mmferry.transport.leases import LeaseTable, table_bytes
-from mmferry.transport.segment import Segment
-from mmferry.transport.slots import SlotBook
+from mmferry.transport import attach
+from mmferry.transport.handles import check_layout, check_lease, check_range
+from mmferry.transport.leases import LeaseTable, check_shape, table_bytes
+from mmferry.transport.segment import SHM_DIR, Segment, ShmSpaceError, check_name
+from mmferry.transport.slots import Grant, SlotBook
 
 OnFull = Literal["wait", "inline"]
+__all__ = ["ArenaFullError", "ShmArena", "ShmHandle", "ShmSpaceError", "open_shared"]
 
 
 class ArenaFullError(TimeoutError):
@@ -60,19 +65,12 @@ class ArenaStats:
     wait_s: float = 0.0
 
 
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in handle")
-    return dtype
-
-
 def _as_bytes_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 class ShmArena:
-    """A bounded shared-memory arena owned by one producer process."""
+    """A bounded shared-memory arena owned by one producer process; thread-safe."""
 
     def __init__(
         self,
@@ -82,22 +80,39 @@ class ShmArena:
         max_readers: int = 8,
         on_full: OnFull = "wait",
         timeout_s: float = 10.0,
+        _shm_dir: str = SHM_DIR,
     ) -> None:
+        # NOTE: every argument is checked before the segment exists, and a failure after it
+        # exists unlinks it: a failed constructor leaves no segment and no reaper behind.
         if on_full not in ("wait", "inline"):
             raise ValueError(f"on_full must be 'wait' or 'inline', got {on_full!r}")
-        header = -(-table_bytes(max_slots, max_readers) // 4096) * 4096
-        self._segment = Segment.create(header + capacity_bytes)
-        table = LeaseTable(
-            memoryview(self._segment.mm)[:header],
-            create=True,
-            max_slots=max_slots,
-            max_readers=max_readers,
-        )
+        if type(capacity_bytes) is not int or capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        if not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
+            raise ValueError(f"timeout_s must be a number >= 0, got {timeout_s!r}")
+        check_shape(max_slots, max_readers)
+        page = mmap.ALLOCATIONGRANULARITY
+        header = -(-table_bytes(max_slots, max_readers) // page) * page
+        self._segment = Segment.create(header + capacity_bytes, directory=_shm_dir)
+        try:
+            table = LeaseTable(
+                memoryview(self._segment.mm)[:header],
+                self._segment.fd,
+                create=True,
+                max_slots=max_slots,
+                max_readers=max_readers,
+                data_offset=header,
+                data_bytes=capacity_bytes,
+            )
+            self._book = SlotBook(capacity_bytes, table)
+        except BaseException:
+            self._segment.unlink()
+            raise
         self._data_offset = header
-        self._book = SlotBook(capacity_bytes, table)
         self.on_full = on_full
         self.timeout_s = timeout_s
         self.stats = ArenaStats()
+        self._stats_lock = threading.Lock()
         self._warned = False
         self._finalizer = weakref.finalize(self, self._segment.unlink)
 
@@ -111,11 +126,15 @@ class ShmArena:
 
     @property
     def used_bytes(self) -> int:
-        return self._book.alloc.used_bytes
+        return self._book.used_bytes
 
     @property
     def live_slots(self) -> int:
         return self._book.live_slots
+
+    def _count(self, field: str, value: float = 1) -> None:
+        with self._stats_lock:
+            setattr(self.stats, field, getattr(self.stats, field) + value)
 
     def put(self, tensor: torch.Tensor, *, readers: int = 1) -> ShmHandle:
         """Copy `tensor` into a slot for `readers` consumers; inline when it cannot fit."""
@@ -124,47 +143,44 @@ class ShmArena:
             raise ValueError("arena is closed")
         nbytes = tensor.numel() * tensor.element_size()
         meta = {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "nbytes": nbytes}
-        self.stats.puts += 1
+        self._count("puts")
         if nbytes == 0 or not self._book.alloc.fits_ever(nbytes):
             return self._inline(tensor, meta, readers)
-        placed = self._place(nbytes)
-        if placed is None:
-            return self._inline(tensor, meta, readers)
-        slot, offset = placed
-        try:
+
+        def fill(offset: int) -> None:
             dst = torch.frombuffer(
                 self._segment.mm, dtype=torch.uint8, count=nbytes, offset=self._data_offset + offset
             )
             # NOTE: the producer's only copy: source bytes straight into the slot.
             dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
-        except BaseException:
-            self._book.untake(slot, offset)  # nobody holds a handle to it yet
-            raise
-        gen = self._book.grant(slot, offset, readers)
+
+        grant = self._place(nbytes, readers, fill)
+        if grant is None:
+            return self._inline(tensor, meta, readers)
         return ShmHandle(
             segment=self.name,
-            offset=self._data_offset + offset,
-            slot=slot,
-            gen=gen,
+            offset=self._data_offset + grant.offset,
+            slot=grant.slot,
+            gen=grant.gen,
             readers=readers,
             **meta,
         )
 
-    def _place(self, nbytes: int) -> tuple[int, int] | None:
+    def _place(self, nbytes: int, readers: int, fill: Callable[[int], None]) -> Grant | None:
         deadline = time.monotonic() + self.timeout_s
         delay = 0.0005
         start = time.monotonic()
         while True:
-            placed = self._book.take(nbytes)
-            if placed is not None:
-                return placed
+            grant = self._book.put(nbytes, readers, fill)
+            if grant is not None:
+                return grant
             if self.reclaim():
                 continue
             if self.on_full == "inline":
                 return None
             now = time.monotonic()
             if now >= deadline:
-                self.stats.wait_s += now - start
+                self._count("wait_s", now - start)
                 raise ArenaFullError(
                     f"shared-memory arena ({self.capacity_bytes} bytes, {self.live_slots} live "
                     f"slots) stayed full for {self.timeout_s}s; release views, raise "
@@ -174,7 +190,7 @@ class ShmArena:
             delay = min(delay * 2, 0.02)
 
     def _inline(self, tensor: torch.Tensor, meta: dict, readers: int) -> ShmHandle:
-        self.stats.inline_puts += 1
+        self._count("inline_puts")
         if not self._warned and meta["nbytes"]:
             self._warned = True
             warnings.warn(
@@ -189,7 +205,8 @@ class ShmArena:
     def reclaim(self) -> int:
         """Free every slot whose readers all released, died, or were cancelled; the count."""
         freed = self._book.reclaim()
-        self.stats.reclaimed += freed
+        if freed:
+            self._count("reclaimed", freed)
         return freed
 
     def cancel(self, handle: ShmHandle) -> None:
@@ -208,53 +225,56 @@ class ShmArena:
         self.close()
 
 
-@dataclass
-class _Attachment:
-    segment: Segment
-    table: LeaseTable
-    views: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
-    pinned: bool = False
-
-    def pin(self) -> None:
-        if self.pinned:
-            return
-        # Page-locking the whole mapping once lets host->device copies read slots directly.
-        ptr = np.frombuffer(self.segment.mm, dtype=np.uint8).ctypes.data
-        err = torch.cuda.cudart().cudaHostRegister(ptr, self.segment.size, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister failed for {self.segment.name}: error {err}")
-        self.pinned = True
+def _open_inline(handle: ShmHandle, dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(handle.inline, bytes) or len(handle.inline) != handle.nbytes:
+        raise ValueError("inline handle bytes do not match its nbytes: corrupt handle refused")
+    if handle.nbytes == 0:
+        return torch.empty(handle.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(handle.inline), dtype=dtype).view(handle.shape)
 
 
-@functools.lru_cache(maxsize=32)
-def _attachment(name: str) -> _Attachment:
-    segment = Segment.attach(name)
-    head = np.frombuffer(segment.mm, dtype=np.int64, count=4)
-    header_bytes = table_bytes(int(head[1]), int(head[2]))
-    return _Attachment(segment, LeaseTable(memoryview(segment.mm)[:header_bytes], create=False))
+def _release(att: attach.Attachment, slot: int, gen: int, reader: int) -> None:
+    att.table.release(slot, gen, reader)
 
 
 def open_shared(handle: ShmHandle, *, pin: bool = False) -> torch.Tensor:
-    """A tensor for `handle`: a zero-copy view of the slot, leased until it and aliases die."""
+    """A read-only tensor for `handle`: a zero-copy view of the slot, leased until it dies.
+
+    Each reader opens its handle once: opening it again while a view lives returns the same
+    lease; after the views died (the lease ended) it raises.
+    """
     if not isinstance(handle, ShmHandle):
         raise ValueError(f"open_shared expects a ShmHandle, got {type(handle).__name__}")
-    dtype = _dtype_from_name(handle.dtype)
+    dtype = check_layout(handle.shape, handle.dtype, handle.nbytes)
     if handle.inline is not None:
+        return _open_inline(handle, dtype)
+    check_name(handle.segment)
+    check_lease(handle.slot, handle.gen, handle.reader, handle.readers)
+    with attach.lock():
+        att = attach.attachment(handle.segment)
+        assert att.data is not None
+        check_range(handle.offset, handle.nbytes, att.data_offset, att.data_bytes)
         if handle.nbytes == 0:
-            return torch.empty(handle.shape, dtype=dtype)
-        return torch.frombuffer(bytearray(handle.inline), dtype=dtype).view(handle.shape)
-    att = _attachment(handle.segment)
-    key = (handle.slot, handle.gen, handle.reader)
-    arr = att.views.get(key)
-    if arr is None:
-        att.table.mark_open(handle.slot, handle.gen, handle.reader)
-        arr = np.frombuffer(
-            att.segment.mm, dtype=np.uint8, count=handle.nbytes, offset=handle.offset
-        )
-        att.views[key] = arr
-        # NOTE: the lease ends when this array dies, which is when the last tensor sharing its
-        # storage dies (from_numpy keeps it alive), including those held by pending copies.
-        weakref.finalize(arr, att.table.mark_released, handle.slot, handle.gen, handle.reader)
+            raise ValueError("a zero-byte slot handle is never issued: forged handle refused")
+        key = (handle.slot, handle.gen, handle.reader)
+        arr = att.views.get(key)
+        if arr is None:
+            start = handle.offset - att.data_offset
+            att.table.acquire(handle.slot, handle.gen, handle.reader, start, handle.nbytes)
+            try:
+                arr = np.frombuffer(att.data, dtype=np.uint8, count=handle.nbytes, offset=start)
+                att.views[key] = arr
+            except BaseException:
+                att.table.release(handle.slot, handle.gen, handle.reader)
+                raise
+            # NOTE: the lease ends when this array dies, which is when the last tensor sharing
+            # its storage dies (from_numpy keeps it alive), including those held by pending
+            # copies. The finalizer also holds the attachment, so the mapping outlives the array.
+            weakref.finalize(arr, _release, att, handle.slot, handle.gen, handle.reader)
     if pin and torch.cuda.is_available():
         att.pin()
-    return torch.from_numpy(arr).view(dtype).view(handle.shape)
+    with warnings.catch_warnings():
+        # NOTE: the mapping is read-only on purpose; a write through the tensor faults (SIGSEGV)
+        # instead of changing what other readers see. Clone before writing in place.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(arr).view(dtype).view(handle.shape)

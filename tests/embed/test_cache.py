@@ -3,23 +3,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmferry.config import VisionConfig
 from mmferry.embed.cache import EncoderCache, encode_with_cache
 from mmferry.encoder.model import VisionEncoder, VisionOutput
 from mmferry.items import MultimodalItem
+from mmferry.models import spec_for
 
-TINY = VisionConfig(
-    family="qwen3_vl",
-    depth=2,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    out_hidden_size=16,
-    hidden_act="gelu_pytorch_tanh",
-    patch_size=4,
-    num_position_embeddings=64,
-    deepstack_visual_indexes=(1,),
-)
+TINY = spec_for("qwen3_vl").tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +18,7 @@ def enc():
 
 def _image(seed: int, h: int = 4, w: int = 6) -> MultimodalItem:
     g = torch.Generator().manual_seed(seed)
-    feat = torch.randint(0, 256, (h * w, 3 * 4 * 4), generator=g, dtype=torch.uint8)
+    feat = torch.randint(0, 256, (h * w, 3 * TINY.patch_size**2), generator=g, dtype=torch.uint8)
     return MultimodalItem("image", feat, (1, h, w), "compact-u8", f"{seed:032x}")
 
 
@@ -66,7 +55,7 @@ def test_length_mismatch_reencodes_instead_of_trimming(enc):
     encode, calls = _counting(enc)
     (out,) = encode_with_cache(encode, [item], cache)
     assert calls == [1] and cache.length_mismatches == 1
-    assert out.embeds.shape == (item.num_tokens, 16)
+    assert out.embeds.shape == (item.num_tokens, TINY.out_hidden_size)
     assert torch.allclose(out.embeds, enc([item])[0].embeds, atol=1e-6)
 
 

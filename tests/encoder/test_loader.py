@@ -1,4 +1,4 @@
-"""Checkpoint loading: prefixes, shards, key errors, and the Qwen3-VL siblings' checkpoints."""
+"""Checkpoint loading: prefixes, shards and key errors (every model type: tests/models)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_checkpoints import QWEN3_VISION, TOKENS, make_qwen3_vl, tiny_text
 
 from mmferry.encoder.loader import iter_vision_tensors
 from mmferry.encoder.model import VisionEncoder
 from mmferry.items import MultimodalItem
+from mmferry.models import spec_for
+from tests.support.tiny_models import save_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,7 +75,7 @@ def test_legacy_visual_prefix_loads(qwen3_ckpt, tmp_path):
 
 
 def test_sharded_checkpoint_reads_only_vision_shards(tmp_path):
-    path, ref_model = make_qwen3_vl(tmp_path, max_shard_size="40KB")
+    path, ref_model = save_tiny_checkpoint("qwen3_vl", tmp_path, max_shard_size="40KB")
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     shards = set(index.values())
     vision_shards = {f for k, f in index.items() if k.startswith("model.visual.")}
@@ -87,40 +88,7 @@ def test_sharded_checkpoint_reads_only_vision_shards(tmp_path):
     keys = [
         k
         for k, _ in iter_vision_tensors(
-            path, "qwen3_vl", device=torch.device("cpu"), dtype=torch.float32
+            path, spec_for("qwen3_vl"), device=torch.device("cpu"), dtype=torch.float32
         )
     ]
     assert len(keys) == sum(k.startswith("model.visual.") for k in index)
-
-
-def test_qwen3_vl_moe_checkpoint(tmp_path):
-    torch.manual_seed(0)
-    text = tiny_text(
-        moe_intermediate_size=32,
-        num_experts=2,
-        num_experts_per_tok=1,
-    )
-    cfg = transformers.Qwen3VLMoeConfig(vision_config=QWEN3_VISION, text_config=text, **TOKENS)
-    model = transformers.Qwen3VLMoeForConditionalGeneration(cfg).eval()
-    model.save_pretrained(tmp_path)
-    _check_against(VisionEncoder.from_pretrained(tmp_path), model.model.visual)
-
-
-def test_qwen3_5_checkpoint_has_no_deepstack(tmp_path):
-    torch.manual_seed(0)
-    vision = {k: v for k, v in QWEN3_VISION.items() if k != "deepstack_visual_indexes"}
-    text = tiny_text(
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=2,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        rope_parameters=None,
-    )
-    cfg = transformers.Qwen3_5Config(vision_config=vision, text_config=text, **TOKENS)
-    model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
-    model.save_pretrained(tmp_path)
-    enc = VisionEncoder.from_pretrained(tmp_path)
-    assert enc.num_deepstack == 0
-    _check_against(enc, model.model.visual)

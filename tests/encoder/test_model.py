@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from mmferry.encoder.model import RANDOM_CONFIGS, VisionEncoder, VisionOutput
+from mmferry.encoder.model import VisionEncoder, VisionOutput
 from mmferry.items import MultimodalItem
+from mmferry.models import spec_for
 
 TINY = dataclasses.replace(
-    RANDOM_CONFIGS["qwen3-vl"],
+    spec_for("qwen3-vl").random_config,
     depth=3,
     hidden_size=32,
     intermediate_size=64,
@@ -22,7 +23,7 @@ TINY = dataclasses.replace(
 
 
 def test_builtin_default_is_the_2b_tower():
-    cfg = RANDOM_CONFIGS["qwen3-vl"]
+    cfg = spec_for("qwen3-vl").random_config
     assert (cfg.depth, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads) == (
         24,
         1024,
@@ -66,7 +67,7 @@ def test_whole_forward_on_meta(model):
     # .tolist(), boolean-mask indexing, data-dependent shapes) raises: the forward makes no
     # host sync.
     cfg = dataclasses.replace(
-        RANDOM_CONFIGS[model],
+        spec_for(model).random_config,
         depth=2,
         hidden_size=32,
         intermediate_size=64,

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mmferry.config import VisionConfig
 from mmferry.encoder.model import VisionEncoder
 from mmferry.encoder.sharded import (
     ShardedEncodeError,
@@ -19,20 +18,11 @@ from mmferry.encoder.sharded import (
     plan_for,
 )
 from mmferry.items import MultimodalItem
+from mmferry.models import spec_for
 
-TINY = VisionConfig(
-    family="qwen3_vl",
-    depth=2,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    out_hidden_size=16,
-    hidden_act="gelu_pytorch_tanh",
-    patch_size=4,
-    num_position_embeddings=64,
-    deepstack_visual_indexes=(0, 1),
-)
-WIDTH = 3 * 2 * 4 * 4
+# The tiny Qwen3-VL tower (two deepstack taps), seeded random weights.
+TINY = spec_for("qwen3_vl").tiny_config
+WIDTH = TINY.in_channels * TINY.temporal_patch_size * TINY.patch_size**2
 SCENARIOS: dict[str, list[tuple[int, int, int]]] = {
     "one_image": [(1, 8, 8)],
     "two_images": [(1, 8, 8), (1, 4, 8)],

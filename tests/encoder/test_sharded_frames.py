@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from mmferry.config import VisionConfig
-from mmferry.encoder.assign import FRAME_LOCAL_FAMILIES, Shard
+from mmferry.encoder.assign import Shard
 from mmferry.encoder.model import VisionEncoder
 from mmferry.encoder.sharded import _sub_item
 from mmferry.items import MultimodalItem
+from mmferry.models import all_specs
 
 GRID = (5, 8, 12)  # 5 temporal patches of 8x12: six Qwen2.5 windows per frame at window_size 16
 SPLITS = [(0, 2), (2, 3), (3, 5)]
@@ -56,7 +57,7 @@ def _hf_tower(family: str) -> torch.nn.Module:
     return Tower._from_config(cfg, dtype=torch.float64).eval()
 
 
-@pytest.mark.parametrize("family", sorted(FRAME_LOCAL_FAMILIES))
+@pytest.mark.parametrize("family", sorted({s.family for s in all_specs() if s.frame_local}))
 def test_transformers_towers_attend_within_a_frame(family):
     tower = _hf_tower(family)
     t, h, w = GRID

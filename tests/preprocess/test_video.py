@@ -19,10 +19,10 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.video_utils import VideoMetadata, read_video_pyav
 
 from mmferry.config import preset
-from mmferry.preprocess.image import compact_to_hf
 from mmferry.preprocess.samples import sample_video
 from mmferry.preprocess.sampling import frame_timestamps, sample_indices
 from mmferry.preprocess.video import process_video
+from tests.support.compact import compact_to_hf
 
 from . import reference as ref
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from prompt_helpers import TOK, build_tokenizer_json, tiny_hf_model
+from prompt_helpers import TOK, build_tokenizer_json
+
+from tests.support.tiny_models import tiny_base_model
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +34,7 @@ def hf_rope() -> Callable[[str], RopeOracle]:
 
     def oracle(family: str) -> RopeOracle:
         if family not in models:
-            models[family] = tiny_hf_model(family)
+            models[family] = tiny_base_model(family)
         model = models[family]
 
         def run(ids, image_grids=(), video_grids=(), second_per_grid_ts=None):

@@ -66,57 +66,6 @@ def make_item(
     )
 
 
-_TEXT = dict(
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    vocab_size=152000,
-)
-
-
-def tiny_hf_model(family: str, *, tokens_per_second: int = 2):
-    """A tiny transformers Qwen-VL base model whose `get_rope_index` is the reference."""
-    if family == "qwen2_vl":
-        from transformers import Qwen2VLConfig
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
-
-        vision = dict(depth=1, embed_dim=16, num_heads=2, hidden_size=16)
-        return Qwen2VLModel(Qwen2VLConfig(text_config=_TEXT, vision_config=vision)).eval()
-    if family == "qwen2_5_vl":
-        from transformers import Qwen2_5_VLConfig
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
-
-        vision = dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=16,
-            tokens_per_second=tokens_per_second,
-            fullatt_block_indexes=[0],
-        )
-        return Qwen2_5_VLModel(Qwen2_5_VLConfig(text_config=_TEXT, vision_config=vision)).eval()
-    from transformers import Qwen3VLConfig
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
-
-    vision = dict(
-        depth=1,
-        hidden_size=16,
-        intermediate_size=32,
-        num_heads=2,
-        out_hidden_size=16,
-        deepstack_visual_indexes=[0],
-        num_position_embeddings=16,
-    )
-    text = dict(_TEXT, head_dim=8)
-    return Qwen3VLModel(Qwen3VLConfig(text_config=text, vision_config=vision)).eval()
-
-
-FAMILY_PRESET = {"qwen2_vl": "qwen2-vl", "qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl"}
-
-
 def hf_processor(
     family: str, tokenizer, videos: list[tuple[tuple[int, int, int], list[int], float]]
 ):
@@ -135,7 +84,7 @@ def hf_processor(
         "qwen2_5_vl": Qwen2_5_VLProcessor,
         "qwen3_vl": Qwen3VLProcessor,
     }[family]
-    cfg = preset(FAMILY_PRESET[family])
+    cfg = preset(family)
 
     class PrecomputedVideos(base):
         def check_argument_for_proper_class(self, name, arg):

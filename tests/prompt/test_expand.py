@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from prompt_helpers import FAMILY_PRESET, TOK, hf_processor, hf_timestamps, make_item
+from prompt_helpers import TOK, hf_processor, hf_timestamps, make_item
 
 import mmferry
 from mmferry.config import preset
@@ -37,7 +37,7 @@ VIDEO_FRAMES = [([0, 16, 31, 47, 63, 79], 30.0), ([0, 5, 9, 14, 20], 10.0)]
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_matches_transformers_processor(family, hf_tokenizer, tokenizer_json, hf_rope):
-    cfg = preset(FAMILY_PRESET[family])
+    cfg = preset(family)
     f = cfg.factor
     video_grids = [(3, 4, 6), (3, 2, 4)]
     videos = [(g, ix, fps) for g, (ix, fps) in zip(video_grids, VIDEO_FRAMES)]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prompt_helpers import FAMILY_PRESET, TOK, make_item
+from prompt_helpers import TOK, make_item
 
 from mmferry.config import preset
 from mmferry.prompt.expand import expand_prompt
@@ -130,7 +130,7 @@ def _mixed_prompt(family: str):
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_mixed_prompt_matches_transformers(family, hf_rope, tokenizer_json):
-    cfg = preset(FAMILY_PRESET[family])
+    cfg = preset(family)
     ids, items = _mixed_prompt(family)
     out = expand_prompt(ids, items, cfg, tokenizer=tokenizer_json, mrope_advance="spatial")
     images = [it.grid_thw for it in items if it.modality == "image"]
@@ -145,7 +145,7 @@ def test_mixed_prompt_matches_transformers(family, hf_rope, tokenizer_json):
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_default_rule_matches_transformers_where_rules_agree(family, hf_rope, tokenizer_json):
     """Images, Qwen3 frames and videos whose time stays within their grid: one answer."""
-    cfg = preset(FAMILY_PRESET[family])
+    cfg = preset(family)
     items = [
         make_item("image", (1, 6, 4)),
         make_item("video", (2, 8, 8), timestamps=(0.5, 1.5), second_per_grid_t=1.0),

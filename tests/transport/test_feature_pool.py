@@ -151,3 +151,88 @@ def test_failed_copy_gives_the_slice_back():
         h = pool.put(x)
         assert isinstance(h, PoolHandle) and torch.equal(open_feature(h), x)
         ack(h)
+
+
+def test_reopen_after_ack_is_refused_and_never_sees_the_next_feature():
+    with FeaturePool(HostBacking(MiB)) as pool:
+        x = torch.ones(4096)
+        h = pool.put(x)
+        v = open_feature(h)
+        again = open_feature(h)  # before the ack: the same lease
+        assert torch.equal(again, x)
+        ack(h)
+        with pytest.raises(ValueError, match="once per reader"):
+            open_feature(h)
+        assert pool.reclaim() == 1
+        h7 = pool.put(torch.full((4096,), 7.0))
+        with pytest.raises(ValueError, match="expired|once per reader"):
+            open_feature(h)
+        assert torch.equal(open_feature(h7), torch.full((4096,), 7.0))
+        ack(h7)
+        del v, again
+
+
+def test_ack_without_open_declines_and_double_ack_is_refused():
+    with FeaturePool(HostBacking(MiB)) as pool:
+        h = pool.put(torch.ones(64), readers=2)
+        ack(h.for_reader(1))  # reader 1 declines
+        v = open_feature(h.for_reader(0))
+        ack(h.for_reader(0))
+        assert pool.reclaim() == 1
+        with pytest.raises(ValueError, match="once per reader|expired"):
+            ack(h.for_reader(0))
+        del v
+
+
+def test_host_pool_views_are_read_only_mappings():
+    with FeaturePool(HostBacking(MiB)) as pool:
+        h = pool.put(torch.arange(64.0))
+        v = open_feature(h)
+        with open("/proc/self/maps") as f:
+            for line in f:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= v.data_ptr() < hi:
+                    assert line.split()[1] == "r--s", line
+                    break
+            else:
+                pytest.fail("view not found in /proc/self/maps")
+        ack(h)
+        del v
+
+
+def _cuda_reader_child(handle, conn) -> None:
+    from mmferry.transport.pool import settle_acks
+
+    view = open_feature(handle)
+    torch.cuda._sleep(1 << 30)  # the reads below queue behind about half a second of work
+    total = view.double().sum()
+    ack(handle)  # no host wait: the lease ends when the reads have completed
+    conn.send("acked")
+    conn.recv()
+    torch.cuda.synchronize()
+    settle_acks()
+    conn.send(float(total.cpu()))
+    conn.recv()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pool_ack_ends_the_lease_only_after_the_readers_kernels():
+    with FeaturePool(CudaBacking(MiB)) as pool:
+        x = torch.randn(1024, 64, device="cuda")
+        h = pool.put(x)
+        ready = pool._book._live[h.slot][2]
+        assert isinstance(ready, torch.cuda.Event)  # kept with the slot until it is reclaimed
+        parent, child = CTX.Pipe()
+        p = CTX.Process(target=_cuda_reader_child, args=(h, child), daemon=True)
+        p.start()
+        child.close()
+        try:
+            assert parent.poll(120) and parent.recv() == "acked"
+            assert pool.reclaim() == 0  # acked, but the reader's kernels may still read
+            parent.send("settle")
+            assert parent.poll(60)
+            assert parent.recv() == pytest.approx(float(x.double().sum().cpu()), rel=1e-6)
+            assert pool.reclaim() == 1 and h.slot not in pool._book._live
+        finally:
+            parent.send("exit")
+            p.join(60)

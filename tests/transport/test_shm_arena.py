@@ -143,7 +143,17 @@ def test_bad_input():
             open_shared("not a handle")
     with pytest.raises(ValueError, match="on_full"):
         ShmArena(1 << 16, on_full="drop")
+    gone = ShmHandle(
+        shape=(1,),
+        dtype="torch.float32",
+        nbytes=4,
+        segment="/mmferry-1-000000000000",
+        slot=0,
+        gen=1,
+    )
     with pytest.raises(FileNotFoundError, match="gone"):
+        open_shared(gone)
+    with pytest.raises(ValueError, match="not an mmferry shared-memory segment name"):
         open_shared(ShmHandle(shape=(1,), dtype="torch.float32", nbytes=4, segment="/mmferry-x"))
 
 

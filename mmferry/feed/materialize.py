@@ -11,7 +11,38 @@ from collections.abc import Sequence
 
 import torch
 
-from mmferry.transport.pinned import PinnedStaging, staging_for
+from mmferry.feed.pinned import PinnedStaging, staging_for
+
+
+def _int_range(dtype: torch.dtype) -> tuple[int, int]:
+    if dtype == torch.bool:
+        return 0, 1
+    info = torch.iinfo(dtype)
+    return info.min, info.max
+
+
+def _check_cast(i: int, src: torch.dtype, dst: torch.dtype) -> None:
+    # NOTE: a cast is allowed only when every value of `src` survives it (up to float rounding):
+    # anything -> a floating dtype, and an integer -> an integer whose range holds all of it.
+    # Float -> integer truncates and a narrowing integer cast wraps (300 -> 44 in uint8).
+    if dst.is_floating_point or dst.is_complex:
+        if src.is_complex and not dst.is_complex:
+            raise ValueError(
+                f"feature {i} is {src}; casting it to {dst} would drop the imaginary part"
+            )
+        return
+    if src.is_floating_point or src.is_complex:
+        raise ValueError(
+            f"feature {i} is {src}; casting it to {dst} would truncate values. "
+            "Materialise into a floating dtype (the encoder's dtype) instead"
+        )
+    (lo, hi), (dlo, dhi) = _int_range(src), _int_range(dst)
+    if lo < dlo or hi > dhi:
+        raise ValueError(
+            f"feature {i} is {src} (values {lo}..{hi}); casting it to {dst} (values {dlo}..{dhi}) "
+            "would wrap values that do not fit, so lossy integer casts are refused. Materialise "
+            f"into a floating dtype or an integer dtype that holds every {src} value"
+        )
 
 
 def _validate(features: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Size, int]:
@@ -23,7 +54,6 @@ def _validate(features: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[tor
         raise ValueError("materialize_features needs at least one feature tensor, got none")
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
-    lossy_target = not (dtype.is_floating_point or dtype.is_complex)
     trailing = None
     rows = 0
     for i, f in enumerate(features):
@@ -38,11 +68,7 @@ def _validate(features: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[tor
                 f"feature {i} has trailing shape {tuple(f.shape[1:])}, but feature 0 has "
                 f"{tuple(trailing)}; all features must share every axis after the first"
             )
-        if lossy_target and (f.dtype.is_floating_point or f.dtype.is_complex):
-            raise ValueError(
-                f"feature {i} is {f.dtype}; casting it to {dtype} would truncate values. "
-                "Materialise into a floating dtype (the encoder's dtype) instead"
-            )
+        _check_cast(i, f.dtype, dtype)
         rows += f.shape[0]
     assert trailing is not None
     return trailing, rows

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mmferry.materialize import materialize_features
+from mmferry.feed.materialize import materialize_features
 from mmferry.transport.shm import ShmArena, open_shared
 
 CUDA = torch.cuda.is_available()
@@ -40,6 +40,18 @@ class OpLog(TorchDispatchMode):
             ):
                 self.new_bytes += t.untyped_storage().nbytes()
         return out
+
+
+def _wait(cond, timeout: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        gc.collect()
+        time.sleep(0.01)
+    return cond()
 
 
 def _ref(features, dtype):
@@ -129,6 +141,30 @@ def test_meta_target_runs_every_source_kind():
     assert out.device.type == "meta" and out.shape == (9, 3) and out.dtype == torch.bfloat16
 
 
+def test_lossy_integer_casts_are_refused_and_exact_ones_pass():
+    wide = torch.tensor([[300], [-1]], dtype=torch.int64)
+    with pytest.raises(ValueError, match="wrap values"):
+        materialize_features([wide], device="cpu", dtype=torch.uint8)  # 300 would become 44
+    for src, dst in (
+        (torch.int8, torch.uint8),
+        (torch.uint8, torch.int8),
+        (torch.int32, torch.int16),
+    ):
+        with pytest.raises(ValueError, match=f"{src}.*lossy integer casts"):
+            materialize_features([torch.zeros(1, 2, dtype=src)], device="cpu", dtype=dst)
+    with pytest.raises(ValueError, match="wrap"):
+        materialize_features([torch.ones(1, 2, dtype=torch.uint8)], device="cpu", dtype=torch.bool)
+    # Exact casts: widening integers, bool -> int, any int -> float.
+    u8 = torch.tensor([[0, 255]], dtype=torch.uint8)
+    assert torch.equal(materialize_features([u8], device="cpu", dtype=torch.int16), u8.short())
+    flags = torch.tensor([[True, False]])
+    assert materialize_features([flags], device="cpu", dtype=torch.uint8).tolist() == [[1, 0]]
+    assert materialize_features([wide], device="cpu", dtype=torch.float64).tolist() == [
+        [300.0],
+        [-1.0],
+    ]
+
+
 @pytest.mark.parametrize(
     ("features", "dtype", "match"),
     [
@@ -151,7 +187,7 @@ def test_bad_input_raises_clear_value_error(features, dtype, match):
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_mixed_sources_no_sync_and_small_chunks():
-    from mmferry.transport.pinned import PinnedStaging
+    from mmferry.feed.pinned import PinnedStaging
 
     g = torch.Generator().manual_seed(2)
     staging = PinnedStaging("cuda", chunk_bytes=4096, num_chunks=2)  # forces many chunks
@@ -161,7 +197,7 @@ def test_cuda_mixed_sources_no_sync_and_small_chunks():
         torch.randn(50, 24, generator=g).to(torch.bfloat16).pin_memory(),  # direct DMA
         torch.randint(0, 256, (200, 24), generator=g, dtype=torch.uint8),  # device widening
         torch.randint(0, 256, (90, 24), generator=g, dtype=torch.uint8).pin_memory(),
-        torch.randn(40, 24, generator=g, device="cuda"),
+        torch.randn(40, 24, generator=g).cuda(),  # a CPU generator draws on the CPU
         torch.randn(30, 24, generator=g).to(torch.bfloat16).cuda(),
     ]
     before = [f.clone() for f in feats]
@@ -191,22 +227,79 @@ def test_cuda_one_output_sized_allocation():
     assert torch.equal(out.cpu(), torch.cat(xs).to(torch.bfloat16))
 
 
+def _busy_stream(cycles: int = 1 << 30) -> None:
+    # Queue a kernel that spins for `cycles` GPU clocks (about half a second) on the current
+    # stream, so copies issued after it cannot have completed when the test looks.
+    torch.cuda._sleep(cycles)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_cuda_pinned_shm_view_lease_held_until_copy_done():
-    from mmferry.transport.pinned import PinnedStaging
+def test_cuda_pinned_shm_view_lease_held_until_copy_done_then_released_without_another_call():
+    from mmferry.feed.pinned import PinnedStaging
 
     staging = PinnedStaging("cuda")
     with ShmArena(64 << 20) as arena:
-        src = torch.randn(4096, 1024, dtype=torch.bfloat16)
+        src = torch.randn(4096, 1024).to(torch.bfloat16)
         view = open_shared(arena.put(src), pin=True)
         assert view.is_pinned()
+        _busy_stream()
         out = materialize_features([view], device="cuda", dtype=torch.bfloat16, staging=staging)
         del view
         gc.collect()
-        # The copy may still be in flight: the pool holds the view, so the lease is held.
-        if staging._inflight:
-            assert arena.reclaim() == 0
-        staging.drain()
+        assert staging.pending == 1 and arena.reclaim() == 0  # the DMA may still read the slot
+        torch.cuda.synchronize()
+        # No further staging call: the lease ends because the copy completed.
+        assert _wait(lambda: arena.reclaim() == 1)
+        assert staging.pending == 0 and torch.equal(out.cpu(), src)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_dropped_staging_keeps_in_flight_sources_alive():
+    from mmferry.feed.pinned import PinnedStaging
+
+    staging = PinnedStaging("cuda")
+    with ShmArena(64 << 20) as arena:
+        src = torch.randn(2048, 1024).to(torch.bfloat16)
+        view = open_shared(arena.put(src), pin=True)
+        _busy_stream()
+        out = materialize_features([view], device="cuda", dtype=torch.bfloat16, staging=staging)
+        del view, staging  # as when the per-thread cache evicts it
         gc.collect()
-        assert arena.reclaim() == 1
+        assert arena.reclaim() == 0
+        torch.cuda.synchronize()
+        assert _wait(lambda: arena.reclaim() == 1)
         assert torch.equal(out.cpu(), src)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_host_waits_are_counted_only_when_a_call_outgrows_the_ring():
+    from mmferry.feed.pinned import PinnedStaging
+
+    staging = PinnedStaging("cuda", chunk_bytes=64 << 10, num_chunks=2)
+    fits = [torch.randn(100, 64)]  # 25.6 KB as bf16: one chunk
+    _busy_stream()
+    materialize_features(fits, device="cuda", dtype=torch.bfloat16, staging=staging)
+    assert staging.host_waits == 0
+    torch.cuda.synchronize()
+    big = [torch.randn(4000, 64)]  # 512 KB as bf16: 8 chunks through a ring of 2
+    _busy_stream()
+    out = materialize_features(big, device="cuda", dtype=torch.bfloat16, staging=staging)
+    assert staging.host_waits >= 1  # refilled a chunk whose copy was queued behind the kernel
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), big[0].to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_registration_ends_with_the_mapping():
+    with ShmArena(8 << 20) as arena:
+        h = arena.put(torch.randn(1024, 256))
+        assert h.offset == arena._data_offset  # the first slot starts the registered mapping
+        view = open_shared(h, pin=True)
+        assert view.is_pinned()
+        ptr = view.data_ptr()
+        del view
+        gc.collect()
+        with open("/proc/self/maps") as f:
+            assert not any(("/dev/shm" + h.segment) in line for line in f)
+        # Unregistering again must fail: a registration left behind would still succeed here.
+        assert int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mmferry.materialize import materialize_features
+from mmferry.feed.materialize import materialize_features
 
 
 @dataclass(frozen=True)

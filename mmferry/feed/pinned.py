@@ -3,13 +3,22 @@
 Pageable host memory cannot be read by an asynchronous DMA, so rows pass through pinned
 chunks. Two (or more) chunks alternate: the host fills one while the previous one is being
 copied; a CUDA event per chunk guards its reuse until the copy reading it has completed.
+
+Host waits: a call that stages more chunks than the ring holds must wait, on the host, for the
+copy that last read a chunk before refilling it. That wait is counted (`host_waits`); calls
+that fit in the ring, pinned sources and device sources never wait.
+
+Sources read by copies in flight (shared-memory views, whose leases they hold) are kept by a
+retiring thread until the event after those copies has fired, then dropped at once: leases end
+when the copy completes, not at the next call, and survive the staging object itself.
 """
 
 from __future__ import annotations
 
 import functools
+import queue
 import threading
-from collections import deque
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -31,16 +40,26 @@ class PinnedStaging:
         self._next = 0
         self._scratch: torch.Tensor | None = None
         self._scratch_event: torch.cuda.Event | None = None
-        # Sources read by copies still in flight: kept alive (so leases on shared-memory views
-        # stay held) until the event recorded after those copies completes.
-        self._inflight: deque[tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = deque()
+        self.host_waits = 0  # chunk refills that found their previous copy still running
+        # (event, sources) of copies in flight, retired by a thread that holds the sources
+        # until the event fires. NOTE: the thread holds the queue, not this object, so an
+        # evicted or dropped staging object still keeps every in-flight source alive.
+        self._retiring: queue.Queue = queue.Queue()
+        self._retirer: threading.Thread | None = None
+
+    @property
+    def pending(self) -> int:
+        """Batches of sources still held for copies that have not completed."""
+        return self._retiring.unfinished_tasks
 
     def _chunk(self) -> tuple[int, torch.Tensor]:
         i = self._next
         self._next = (i + 1) % self.num_chunks
         event = self._events[i]
-        if event is not None:
-            # NOTE: waits only for the copy that last read this chunk, issued num_chunks ago.
+        if event is not None and not event.query():
+            # NOTE: the one host wait (see the module docstring): only for the copy that last
+            # read this chunk, issued num_chunks chunks ago, and counted.
+            self.host_waits += 1
             event.synchronize()
         return i, self._host[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
 
@@ -56,25 +75,25 @@ class PinnedStaging:
             stream.wait_event(self._scratch_event)  # device-side ordering, no host wait
         return self._scratch
 
-    def retire(self) -> int:
-        """Drop references to sources whose copies have completed; how many batches retired."""
-        n = 0
-        while self._inflight and self._inflight[0][0].query():
-            self._inflight.popleft()
-            n += 1
-        return n
+    def _hold(self, event: torch.cuda.Event, keep: tuple[torch.Tensor, ...]) -> None:
+        if self._retirer is None:
+            self._retirer = threading.Thread(
+                target=_retire, args=(self._retiring,), name="mmferry-staging-retire", daemon=True
+            )
+            self._retirer.start()
+            weakref.finalize(self, self._retiring.put, None)  # the thread drains, then exits
+        self._retiring.put((event, keep))
 
     def drain(self) -> None:
-        """Wait for every copy issued through this pool and drop the sources they read."""
-        while self._inflight:
-            self._inflight.popleft()[0].synchronize()
+        """Wait until every copy issued through this object completed and its sources dropped."""
+        self._retiring.join()
 
     def copy_rows(self, out: torch.Tensor, features: Sequence[torch.Tensor]) -> None:
         """Copy `features` row-wise into `out` (a CUDA tensor), casting on the way."""
-        self.retire()
         stream = torch.cuda.current_stream(out.device)
         keep: list[torch.Tensor] = []
         used_scratch = False
+        used_chunks = False
         o = 0
         for f in features:
             n = f.shape[0]
@@ -92,17 +111,22 @@ class PinnedStaging:
                 keep.append(f)
             elif f.element_size() >= out.element_size():
                 self._host_cast(dst, f, stream)
+                used_chunks = True
             else:
                 self._device_cast(dst, f, stream, direct)
                 used_scratch = True
+                used_chunks |= not direct
                 if direct:
                     keep.append(f)
         event = torch.cuda.Event()
         event.record(stream)
         if used_scratch:
             self._scratch_event = event
+            keep.append(self._scratch)  # device scratch read by kernels still queued
+        if used_chunks:
+            keep.append(self._host)  # pinned chunks read by DMAs still queued
         if keep:
-            self._inflight.append((event, tuple(keep)))
+            self._hold(event, tuple(keep))
 
     def _rows_per_chunk(self, f: torch.Tensor, dtype: torch.dtype) -> int:
         row_bytes = max(1, f[0].numel()) * dtype.itemsize
@@ -145,6 +169,20 @@ class PinnedStaging:
                 dev.copy_(stage, non_blocking=True)
                 self._mark(i, stream)
             dst[r : r + k].copy_(dev)  # the cast kernel
+
+
+def _retire(pending: queue.Queue) -> None:
+    while True:
+        item = pending.get()
+        if item is None:
+            pending.task_done()
+            return
+        event, keep = item
+        # Off the caller's thread (the GIL is released while it waits): sources are dropped,
+        # and their leases end, as soon as the copies reading them have completed.
+        event.synchronize()
+        del item, keep
+        pending.task_done()
 
 
 @functools.lru_cache(maxsize=16)

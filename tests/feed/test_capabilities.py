@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mmferry.capabilities import capabilities_of, prepare_encoder_inputs
+from mmferry.feed.capabilities import capabilities_of, prepare_encoder_inputs
 from mmferry.items import MultimodalItem
 
 
@@ -132,7 +132,7 @@ def test_bad_input(feats, grids, match):
 def test_no_class_name_lists_in_the_package():
     import inspect
 
-    import mmferry.capabilities as caps
+    import mmferry.feed.capabilities as caps
 
     src = inspect.getsource(caps)
     assert "__name__" not in src and "__class__" not in src and "type(encoder)" not in src
