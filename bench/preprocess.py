@@ -348,8 +348,9 @@ def video_figures(report: Report, cfg, rounds: int, quick: bool) -> None:
     path = os.path.join(tempfile.gettempdir(), f"mmferry-bench-clip-{seconds}s.mp4")
     if not os.path.exists(path):
         t0 = time.perf_counter()
-        make_video(path + ".part", seconds)
-        os.replace(path + ".part", path)
+        part = path.replace(".mp4", ".part.mp4")
+        make_video(part, seconds)
+        os.replace(part, path)
         print(f"({seconds} s clip encoded in {time.perf_counter() - t0:.0f} s)", flush=True)
 
     def today(fps: float):

@@ -7,9 +7,10 @@ thread, splits large gathers into a few coarse ranges on plain Python threads (t
 release the GIL), and gives the resize, one large op, the intra-op threads.
 
 The count is the `threads=` argument of `process_image` / `process_video`, else the
-`MMFERRY_PREPROCESS_THREADS` environment variable, else 1. One is the measured default: on a
-shared 2-core host, two threads ran the 16-image benchmark at 0.87-0.94x the speed of one
-(median of 5 rounds, BENCHMARKS.md); on a dedicated host, set the count to its free cores.
+`MMFERRY_PREPROCESS_THREADS` environment variable, else 1. One is the measured default for
+shared hosts: on a shared 2-core host, two threads ran the 16-image benchmark at 0.87-1.41x
+the speed of one (medians of two runs, BENCHMARKS.md), a gain only while the other tenants
+left a core free. On a dedicated host, set the count to its free cores.
 """
 
 from __future__ import annotations
