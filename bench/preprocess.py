@@ -1,50 +1,76 @@
 """Benchmark: image and video preprocessing, mmferry beside transformers, in one run.
 
-Images: 16 seeded JPEGs of mixed sizes up to 4000x3000 (smooth random fields plus noise, and
-the bundled photographs upscaled), each decoded from its encoded bytes, qwen3-vl settings.
-Baseline: transformers' `load_image` steps + `Qwen2VLImageProcessorPil` (its default
-torchvision processor cannot run without torchvision). Video: a seeded 10 s 640x360 clip;
-baseline: transformers' `read_video_pyav` with `Qwen3VLVideoProcessor.sample_frames`, then
-the processor's resize / normalise / pad / patchify steps written unfused in torch.
+Images: 16 seeded images from 12 MP (4000x3000) down to 224x224, qwen3-vl settings, given
+two ways: already-decoded PIL images, and the same as JPEG bytes (decoded inside each call,
+as transformers' `load_image` does). Baselines: transformers' `Qwen2VLImageProcessorPil`
+(here) and transformers' default torchvision `Qwen2VLImageProcessor`, which runs in its own
+environment (`--baseline-venv DIR`, created with torch 2.14.1 + torchvision 0.29.1 when
+missing) as a worker process that times its own rounds; its rounds interleave with
+mmferry's. Floors: one 12 MP image (a decoded HWC array) against one uint8 resize plus one
+write of the output. Video: a seeded 60 s 1280x720 H.264 clip (a keyframe every 2 s),
+sampled at 0.25 and 2 fps, against today's decoder (every frame decoded up to the last
+sampled one, held at full size, then resized), kept here as the reference.
 
-Run: python -m bench.preprocess [--quick]
+Run: python -m bench.preprocess [--quick] [--rounds N] [--baseline-venv DIR] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 
+from bench.harness import MIN_ROUNDS, Figure, Report, check_equal, compare, machine
 from mmferry.config import preset
+from mmferry.preprocess import video as video_mod
+from mmferry.preprocess.buffers import empty_host
 from mmferry.preprocess.image import process_image
-from mmferry.preprocess.samples import sample_images
+from mmferry.preprocess.patchify import resize_u8
+from mmferry.preprocess.resize import smart_resize
+from mmferry.preprocess.threads import intra_op_threads, preprocess_threads
 from mmferry.preprocess.video import process_video
 
-SIZES = [  # (width, height)
+SIZES = [  # (width, height): 12 MP down to 224x224
     (4000, 3000),
     (3000, 4000),
     (3264, 2448),
+    (2592, 1944),
     (2048, 1536),
     (1920, 1080),
     (1600, 1200),
+    (1280, 960),
     (1280, 720),
-    (1366, 768),
     (1024, 768),
     (800, 600),
     (640, 480),
     (512, 512),
-    (1080, 1920),
+    (448, 448),
+    (320, 240),
+    (224, 224),
 ]
+BASELINE_PACKAGES = [
+    "torch==2.14.1",
+    "torchvision==0.29.1",
+    "transformers==5.24.0",
+    "pillow",
+    "numpy",
+]
+# Outputs of the two resamplers (PIL's bicubic and torch's) differ by design: up to this many
+# uint8 levels on a pixel (mean well under one), see tests/preprocess/test_image.py.
+PIL_LEVELS = 20.0
 
 
 def _smooth_field(rng: np.random.Generator, w: int, h: int) -> np.ndarray:
@@ -56,178 +82,346 @@ def _smooth_field(rng: np.random.Generator, w: int, h: int) -> np.ndarray:
 
 
 def make_images(quick: bool) -> list[bytes]:
-    """The fixed, seeded image workload as encoded JPEG bytes."""
+    """The fixed, seeded image workload as JPEG bytes."""
     rng = np.random.default_rng(1234)
-    sizes = SIZES[3:9] if quick else SIZES
     out = []
-    for w, h in sizes:
+    for w, h in SIZES[8:] if quick else SIZES:
         buf = io.BytesIO()
         Image.fromarray(_smooth_field(rng, w, h)).save(buf, "JPEG", quality=90)
-        out.append(buf.getvalue())
-    photos = sample_images()[:1] if quick else sample_images()
-    for path in photos:
-        im = Image.open(path).convert("RGB")
-        big = im.resize((im.width * 3, im.height * 3), Image.Resampling.BICUBIC)
-        buf = io.BytesIO()
-        big.save(buf, "JPEG", quality=90)
         out.append(buf.getvalue())
     return out
 
 
-def make_video(path: str, quick: bool) -> None:
+def load_pil(data: bytes) -> Image.Image:
+    """transformers' `load_image` steps: EXIF orientation, then RGB."""
+    return ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")
+
+
+def make_video(path: str, seconds: int) -> None:
+    """A seeded 1280x720 30 fps H.264 clip, a keyframe every 2 s, panning over a field."""
     import av
 
     rng = np.random.default_rng(99)
-    seconds, fps, w, h = (4, 30, 640, 360) if quick else (10, 30, 640, 360)
-    base = _smooth_field(rng, w + 8 * seconds * fps, h)
+    fps, w, h = 30, 1280, 720
+    base = _smooth_field(rng, w + 4 * seconds * fps, h)
     with av.open(path, "w") as out:
-        stream = out.add_stream("mpeg4", rate=fps)
+        stream = out.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        stream.options = {"qscale": "4"}
+        stream.codec_context.gop_size = 2 * fps
+        stream.options = {"preset": "veryfast", "crf": "23", "keyint_min": str(2 * fps)}
         for i in range(seconds * fps):
-            frame = np.ascontiguousarray(base[:, 8 * i : 8 * i + w])
+            frame = np.ascontiguousarray(base[:, 4 * i : 4 * i + w])
             for pkt in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 out.mux(pkt)
         for pkt in stream.encode():
             out.mux(pkt)
 
 
-def _best_of(fns: list[Callable[[], object]], reps: int) -> list[float]:
-    """Best wall time of each function over `reps` rounds, the functions interleaved per round
-    so that load from other processes hits all of them alike."""
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return [min(ts) for ts in times]
+def decode_every_frame(data, name, indices, check_size, target_size, info=None):
+    """Today's decoder, the reference: every frame up to the last sampled one is decoded, the
+    sampled ones are held at full size, then all are resized at once."""
+    from mmferry.preprocess.video_decode import _open, import_av
+
+    av = import_av()
+    container, stream = _open(av, data, name)
+    wanted: dict[int, list[int]] = {}
+    for slot, idx in enumerate(indices):
+        wanted.setdefault(idx, []).append(slot)
+    out = None
+    with container:
+        for i, frame in enumerate(container.decode(stream)):
+            if i in wanted:
+                if out is None:
+                    check_size(frame.height, frame.width)
+                    out = empty_host((len(indices), frame.height, frame.width, 3), torch.uint8)
+                rgb = frame.to_ndarray(format="rgb24")
+                for s in wanted[i]:
+                    out.numpy()[s] = rgb
+            if i >= indices[-1]:
+                break
+    frames = out.permute(0, 3, 1, 2)
+    return resize_u8(frames, *target_size(*frames.shape[2:]))
 
 
-def _baseline_images(datas: list[bytes], proc) -> int:
-    nbytes = 0
-    for data in datas:
-        im = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")
-        out = proc(images=[im], return_tensors="pt")
-        nbytes += out["pixel_values"].nbytes
-    return nbytes
+class TorchvisionWorker:
+    """transformers' default processor in the baseline environment, one process per run."""
+
+    def __init__(self, venv: Path, files: list[str], settings: dict) -> None:
+        worker = Path(__file__).with_name("tv_worker.py")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.proc = subprocess.Popen(
+            [str(venv / "bin" / "python"), str(worker)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.ask({"cmd": "load", "files": files, "settings": settings})
+
+    def ask(self, msg: dict) -> dict:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the baseline worker exited; see its stderr above")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        return reply
+
+    def run(self, kind: str) -> float:
+        return self.ask({"cmd": "run", "kind": kind})["s"]
+
+    def close(self) -> None:
+        self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
-def _ours_images(datas: list[bytes], cfg, layout: str) -> int:
-    return sum(process_image(d, cfg, layout=layout).feature.nbytes for d in datas)
+def ensure_baseline_venv(venv: Path) -> Path:
+    """The baseline environment, created (a large download, once) when missing."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f"creating the baseline environment in {venv} ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", *BASELINE_PACKAGES], check=True)
+    return venv
 
 
-def _baseline_video(path: str, cfg) -> int:
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
-        Qwen3VLVideoProcessor,
-        smart_resize,
-    )
-    from transformers.video_utils import read_video_pyav
-
-    frames, meta = read_video_pyav(path, sample_indices_fn=Qwen3VLVideoProcessor().sample_frames)
-    n, h, w, _ = frames.shape
-    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    rh, rw = smart_resize(
-        n,
-        h,
-        w,
-        temporal_factor=t,
-        factor=p * m,
-        min_pixels=cfg.video_min_pixels,
-        max_pixels=cfg.video_max_pixels,
-    )
-    x = torch.from_numpy(frames).permute(0, 3, 1, 2)
-    x = F.interpolate(x, size=(rh, rw), mode="bicubic", antialias=True, align_corners=False)
-    mean = torch.tensor(cfg.video_mean).view(3, 1, 1) * 255
-    std = torch.tensor(cfg.video_std).view(3, 1, 1) * 255
-    x = (x.float() - mean) / std
-    if pad := -n % t:
-        x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
-    gt, gh, gw = x.shape[0] // t, rh // p, rw // p
-    x = x.view(gt, t, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return x.reshape(gt * gh * gw, 3 * t * p * p).nbytes
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Print images/s and bytes per image for mmferry (hf, compact-u8) beside transformers."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer, smaller images; one repetition")
-    args = ap.parse_args(argv)
-    warnings.filterwarnings("ignore")
+def image_figures(
+    report: Report, datas: list[bytes], cfg, rounds: int, worker: TorchvisionWorker | None
+) -> None:
+    """Interleaved rounds of every image runner; one figure per (layout, baseline) pair."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    cfg = preset("qwen3-vl")
-    proc = Qwen2VLImageProcessorPil(
-        patch_size=cfg.patch_size,
-        merge_size=cfg.merge_size,
-        temporal_patch_size=cfg.temporal_patch_size,
+    proc = Qwen2VLImageProcessorPil(**settings(cfg))
+    pils = [load_pil(d) for d in datas]
+    for kind, sources in (("PIL images", pils), ("JPEG bytes", datas)):
+        tag = "pil" if kind == "PIL images" else "jpeg"
+
+        def pil_base(sources=sources, tag=tag) -> None:
+            for s in sources:
+                proc(images=[s if tag == "pil" else load_pil(s)], return_tensors="pt")
+
+        runners: dict[str, Callable[[], float]] = {
+            "pil": lambda f=pil_base: _timed(f),
+            "hf": lambda s=sources: _timed(lambda: [process_image(x, cfg) for x in s]),
+            "cu": lambda s=sources: _timed(
+                lambda: [process_image(x, cfg, layout="compact-u8") for x in s]
+            ),
+        }
+        if worker is not None:
+            runners["tv"] = lambda tag=tag: worker.run(tag)
+        for fn in runners.values():  # warm-up, excluded
+            fn()
+        times: dict[str, list[float]] = {k: [] for k in runners}
+        names = list(runners)
+        for r in range(rounds):
+            # NOTE: the order rotates each round, so load and cache effects hit every side.
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:
+                times[name].append(runners[name]())
+        n = len(sources)
+        for layout, key in (("hf", "hf"), ("compact-u8", "cu")):
+            bases = [("transformers PIL processor", "pil")]
+            if worker is not None:
+                bases.append(("transformers torchvision processor", "tv"))
+            for base_name, base in bases:
+                report.add(
+                    Figure(
+                        f"{n} {kind}, {layout}",
+                        base_name,
+                        times[base],
+                        times[key],
+                        note=f"{n / np.median(times[key]):.1f} images/s",
+                    )
+                )
+
+
+def settings(cfg) -> dict:
+    return {
+        "patch_size": cfg.patch_size,
+        "merge_size": cfg.merge_size,
+        "temporal_patch_size": cfg.temporal_patch_size,
+        "min_pixels": cfg.image_min_pixels,
+        "max_pixels": cfg.image_max_pixels,
+        "image_mean": list(cfg.image_mean),
+        "image_std": list(cfg.image_std),
+    }
+
+
+def check_images(datas: list[bytes], cfg, worker: TorchvisionWorker | None, tmp: str) -> None:
+    """Outputs compared before anything is timed."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    proc = Qwen2VLImageProcessorPil(**settings(cfg))
+    std = torch.tensor(cfg.image_std).repeat_interleave(cfg.temporal_patch_size * 256)
+    for i in (0, len(datas) - 1):
+        ours = process_image(datas[i], cfg).feature
+        pil = proc(images=[load_pil(datas[i])], return_tensors="pt")["pixel_values"]
+        # PIL resamples differently from torch; compared in uint8 levels.
+        levels = (ours - pil).abs() * std * 255
+        if levels.max() > PIL_LEVELS or levels.mean() > 0.5:
+            raise AssertionError(f"image {i}: {levels.max():.1f} levels from the PIL processor")
+        compact = process_image(datas[i], cfg, layout="compact-u8").feature
+        check_equal(f"image {i}, compact-u8 as hf", _compact_as_hf(compact, cfg), ours, atol=1e-6)
+        if worker is not None:
+            path = os.path.join(tmp, f"tv{i}.npy")
+            worker.ask({"cmd": "check", "index": i, "kind": "jpeg", "out": path})
+            tv = torch.from_numpy(np.load(path))
+            # Same uint8 resize kernel; the decoders' Pillow versions may differ by a level.
+            check_equal(f"image {i} vs torchvision processor", ours, tv, atol=2 / 255 / 0.5)
+
+
+def _compact_as_hf(compact: torch.Tensor, cfg) -> torch.Tensor:
+    from mmferry.items import MultimodalItem
+    from mmferry.preprocess.image import compact_to_hf
+
+    rows = compact.shape[0]
+    item = MultimodalItem("image", compact, (1, 2, rows // 2), "compact-u8", "0" * 32, 2)
+    return compact_to_hf(item, cfg)
+
+
+def floor_figures(report: Report, cfg, rounds: int) -> None:
+    """One 12 MP decoded image per layout beside its floor: one uint8 resize, one write, on
+    the thread count mmferry uses by default."""
+    rgb = _smooth_field(np.random.default_rng(7), 4000, 3000)
+    h, w = smart_resize(
+        3000,
+        4000,
+        factor=cfg.factor,
         min_pixels=cfg.image_min_pixels,
         max_pixels=cfg.image_max_pixels,
-        image_mean=list(cfg.image_mean),
-        image_std=list(cfg.image_std),
     )
-    reps = 1 if args.quick else 3
+    chw = torch.from_numpy(rgb).unsqueeze(0).permute(0, 3, 1, 2)
+    for layout, dtype, per_px in (("hf", torch.float32, 6), ("compact-u8", torch.uint8, 3)):
+
+        def floor(dtype=dtype, per_px=per_px) -> None:
+            with intra_op_threads(preprocess_threads()):
+                F.interpolate(chw, size=(h, w), mode="bicubic", antialias=True)
+                empty_host((h * w * per_px,), dtype).fill_(1)
+
+        fig = compare(
+            f"one 4000x3000 image -> {w}x{h}, {layout}",
+            {
+                "floor (one uint8 resize + one write)": floor,
+                "mmferry": lambda l=layout: process_image(rgb, cfg, layout=l),
+            },
+            rounds=rounds,
+        )
+        fig.note = f"{1 / fig.ratio:.2f}x the floor (target <= 1.5x)"
+        report.add(fig)
+
+
+def thread_figures(report: Report, datas: list[bytes], cfg, rounds: int) -> None:
+    """Two threads against one (the default), on the PIL workload."""
+    pils = [load_pil(d) for d in datas]
+    for layout in ("hf", "compact-u8"):
+        fig = compare(
+            f"{len(pils)} PIL images, {layout}, mmferry threads=2 against threads=1",
+            {
+                "threads=1": lambda l=layout: [
+                    process_image(p, cfg, layout=l, threads=1) for p in pils
+                ],
+                "mmferry": lambda l=layout: [
+                    process_image(p, cfg, layout=l, threads=2) for p in pils
+                ],
+            },
+            rounds=rounds,
+        )
+        report.add(fig)
+
+
+def video_figures(report: Report, cfg, rounds: int, quick: bool) -> None:
+    seconds = 20 if quick else 60
+    # The clip is seeded, so it is encoded once per machine and reused by later runs.
+    path = os.path.join(tempfile.gettempdir(), f"mmferry-bench-clip-{seconds}s.mp4")
+    if not os.path.exists(path):
+        t0 = time.perf_counter()
+        part = path.replace(".mp4", ".part.mp4")
+        make_video(part, seconds)
+        os.replace(part, path)
+        print(f"({seconds} s clip encoded in {time.perf_counter() - t0:.0f} s)", flush=True)
+
+    def today(fps: float):
+        real = video_mod.decode_frames
+        video_mod.decode_frames = decode_every_frame
+        try:
+            return process_video(path, cfg, fps=fps)
+        finally:
+            video_mod.decode_frames = real
+
+    for fps in (0.25, 2.0):
+        ours = process_video(path, cfg, fps=fps)
+        check_equal(f"video at {fps} fps", ours.feature, today(fps).feature)
+        fig = compare(
+            f"{seconds} s 1280x720 clip at {fps:g} fps -> grid {ours.grid_thw}, hf",
+            {
+                "today (decode every frame)": lambda f=fps: today(f),
+                "mmferry": lambda f=fps: process_video(path, cfg, fps=f),
+            },
+            rounds=rounds,
+        )
+        report.add(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print every preprocessing figure beside its baseline (median, spread over rounds)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller images and clip")
+    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS, help="timed rounds per figure")
+    ap.add_argument(
+        "--baseline-venv",
+        type=Path,
+        help="environment for transformers' torchvision processor (created when missing)",
+    )
+    ap.add_argument("--json", type=Path, help="write every figure and round here")
+    ap.add_argument("--only", choices=["images", "floor", "threads", "video"], action="append")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    cfg = preset("qwen3-vl")
+    parts = args.only or ["images", "floor", "threads", "video"]
+    report = Report()
+    print(f"machine: {machine()}; qwen3-vl settings; {args.rounds} rounds per figure")
     datas = make_images(args.quick)
-    n = len(datas)
-    pixels = sum(
-        Image.open(io.BytesIO(d)).size[0] * Image.open(io.BytesIO(d)).size[1] for d in datas
-    )
-    print(
-        f"machine: {os.cpu_count()} CPUs, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), qwen3-vl settings"
-    )
-    print(
-        f"images: {n} JPEGs, {pixels / n / 1e6:.2f} MP on average, decoded from bytes; "
-        f"best of {reps} interleaved rounds"
-    )
-    # Warm-up (excluded): one small image through each path.
-    small = [datas[-1]]
-    _baseline_images(small, proc)
-    _ours_images(small, cfg, "hf")
-    _ours_images(small, cfg, "compact-u8")
-    base_s, hf_s, cu_s = _best_of(
-        [
-            lambda: _baseline_images(datas, proc),
-            lambda: _ours_images(datas, cfg, "hf"),
-            lambda: _ours_images(datas, cfg, "compact-u8"),
-        ],
-        reps,
-    )
-    base_b = _baseline_images(datas[:1], proc)
-    hf_b = _ours_images(datas[:1], cfg, "hf")
-    cu_b = _ours_images(datas[:1], cfg, "compact-u8")
-    first_w, first_h = Image.open(io.BytesIO(datas[0])).size
-    for label, secs, nbytes in (("hf", hf_s, hf_b), ("compact-u8", cu_s, cu_b)):
-        print(
-            f"images/s ({label}): transformers PIL processor {n / base_s:.2f} | "
-            f"mmferry {n / secs:.2f} | {base_s / secs:.2f}x"
-        )
-        print(
-            f"bytes of the {first_w}x{first_h} image ({label}): "
-            f"transformers {base_b / 2**20:.1f} MiB | mmferry {nbytes / 2**20:.1f} MiB | "
-            f"{base_b / nbytes:.2f}x fewer"
-        )
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "bench.mp4")
-        make_video(path, args.quick)
-        _baseline_video(path, cfg)
-        process_video(path, cfg, layout="hf")
-        vb, *vos = _best_of(
-            [
-                lambda: _baseline_video(path, cfg),
-                lambda: process_video(path, cfg, layout="hf"),
-                lambda: process_video(path, cfg, layout="compact-u8"),
-            ],
-            reps * 3,
-        )
-        for layout, vo in zip(("hf", "compact-u8"), vos):
-            item = process_video(path, cfg, layout=layout)
-            print(
-                f"video {item.grid_thw} ({layout}): transformers pyav + unfused steps "
-                f"{vb * 1e3:.1f} ms | mmferry {vo * 1e3:.1f} ms | {vb / vo:.2f}x"
-            )
+        worker = None
+        if args.baseline_venv is not None and "images" in parts:
+            ensure_baseline_venv(args.baseline_venv)
+            files = []
+            for i, d in enumerate(datas):
+                files.append(os.path.join(tmp, f"{i}.jpg"))
+                Path(files[-1]).write_bytes(d)
+            worker = TorchvisionWorker(args.baseline_venv, files, settings(cfg))
+        try:
+            if "images" in parts:
+                report.section("images")
+                check_images(datas, cfg, worker, tmp)
+                image_figures(report, datas, cfg, args.rounds, worker)
+        finally:
+            if worker is not None:
+                worker.close()
+        if "floor" in parts:
+            report.section("floor")
+            floor_figures(report, cfg, args.rounds)
+        if "threads" in parts:
+            report.section("threads")
+            thread_figures(report, datas, cfg, args.rounds)
+        if "video" in parts:
+            report.section("video")
+            video_figures(report, cfg, args.rounds, args.quick)
+    if args.json:
+        report.dump_json(args.json)
     return 0
 
 

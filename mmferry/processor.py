@@ -60,11 +60,13 @@ class Processor:
         self._tokenizer = load_tokenizer(self._tokenizer)
         return self._tokenizer
 
-    def image(self, source: Any, layout: Layout = "hf") -> MultimodalItem:
-        """Decode, resize and patchify one image."""
+    def image(
+        self, source: Any, layout: Layout = "hf", *, threads: int | None = None
+    ) -> MultimodalItem:
+        """Decode, resize and patchify one image (`threads`: see preprocess/threads.py)."""
         from mmferry.preprocess.image import process_image
 
-        return process_image(source, self.config, layout=layout)
+        return process_image(source, self.config, layout=layout, threads=threads)
 
     def video(
         self,
@@ -74,6 +76,7 @@ class Processor:
         fps: float | None = None,
         num_frames: int | None = None,
         source_fps: float | None = None,
+        threads: int | None = None,
     ) -> MultimodalItem:
         """Decode (or take frames), sample, resize and patchify one video."""
         from mmferry.preprocess.video import process_video
@@ -85,6 +88,7 @@ class Processor:
             fps=fps,
             num_frames=num_frames,
             source_fps=source_fps,
+            threads=threads,
         )
 
     def expand_prompt(

@@ -4,6 +4,8 @@ Accepted sources: a path (str or Path), encoded bytes, a binary file-like object
 an HWC uint8 numpy array (1, 3 or 4 channels) or a CHW uint8 torch tensor (1, 3 or 4
 channels). Conversion to RGB follows transformers' `convert_to_rgb`: anything with alpha is
 composited onto white; EXIF orientation is applied as transformers' `load_image` does.
+High-bit greyscale (16-bit, 32-bit integer, float) is scaled to 8 bits instead of clipped.
+An animated image gives its first frame (a PIL image: the frame it is on).
 """
 
 from __future__ import annotations
@@ -19,16 +21,24 @@ import torch
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 _EXIF_ORIENTATION = 0x0112
+# Pillow's bytes per pixel by mode, to bound a decode's memory from the header alone.
+_MODE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "I;16N": 2}
+# NOTE: a decode may hold this many bytes per allowed pixel (512 MiB at the default limit):
+# Pillow's decoded image plus one packed RGB array. Non-RGB modes convert in strips of this
+# many pixels, so no whole-image intermediate (RGBA, composite) is ever held.
+BYTES_PER_ALLOWED_PIXEL = 4
+_STRIP_PIXELS = 1 << 18
 
 
 @dataclass(frozen=True)
 class DecodedImage:
-    """Upright RGB pixels and the identity bytes hashed for the cache key."""
+    """Upright RGB pixels and, for encoded sources, the bytes hashed for the cache key."""
 
     # [3, H, W] uint8; may be a strided view (e.g. of an HWC array), never copied needlessly.
     pixels: torch.Tensor
-    # Parts hashed (with the settings) to name the item; see hashing.py. Buffers, not copies.
-    identity: tuple[bytes | memoryview, ...]
+    # Encoded sources: the parts hashed (with the settings) to name the item, see hashing.py.
+    # None for decoded sources (PIL, arrays): their key covers the resized pixels instead.
+    identity: tuple[bytes | memoryview, ...] | None
 
 
 def describe(source: Any) -> str:
@@ -62,6 +72,18 @@ def read_source_bytes(source: Any, kind: str = "image") -> bytes | None:
     return None
 
 
+def _orientation(im: Image.Image) -> int:
+    return im.getexif().get(_EXIF_ORIENTATION, 1)
+
+
+def decode_peak_bytes(im: Image.Image) -> int:
+    """Most bytes decoding and converting `im` holds at once (known from the header)."""
+    src = _MODE_BYTES.get(im.mode, 4) * im.width * im.height
+    # exif_transpose makes one turned copy in the source mode.
+    turned = src if _orientation(im) in (2, 3, 4, 5, 6, 7, 8) else 0
+    return src + turned + 3 * im.width * im.height
+
+
 def _open_checked(data: bytes, name: str, max_pixels: int) -> Image.Image:
     if not data:
         raise ValueError(f"cannot decode image {name}: it is empty")
@@ -78,6 +100,17 @@ def _open_checked(data: bytes, name: str, max_pixels: int) -> Image.Image:
             f"more than max_decoded_pixels={max_pixels}; raise the limit if it is trusted"
         )
     try:
+        peak = decode_peak_bytes(im)  # reads the EXIF block, which may be cut short
+    except (OSError, SyntaxError, ValueError) as e:
+        raise ValueError(f"cannot decode image {name}: corrupt or truncated ({e})") from None
+    budget = BYTES_PER_ALLOWED_PIXEL * max_pixels
+    if peak > budget:
+        raise ValueError(
+            f"image {name} ({im.mode} {im.width}x{im.height}) needs about {peak >> 20} MiB to "
+            f"decode, more than {budget >> 20} MiB ({BYTES_PER_ALLOWED_PIXEL} bytes per pixel "
+            f"of max_decoded_pixels={max_pixels}); raise the limit if it is trusted"
+        )
+    try:
         im.load()
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"cannot decode image {name}: corrupt or truncated ({e})") from None
@@ -86,7 +119,7 @@ def _open_checked(data: bytes, name: str, max_pixels: int) -> Image.Image:
 
 def _upright(im: Image.Image) -> Image.Image:
     # Reading the tag is cheap; exif_transpose copies, so call it only when it changes pixels.
-    if im.getexif().get(_EXIF_ORIENTATION, 1) in (2, 3, 4, 5, 6, 7, 8):
+    if _orientation(im) in (2, 3, 4, 5, 6, 7, 8):
         im = ImageOps.exif_transpose(im)
     return im
 
@@ -99,6 +132,25 @@ def _to_rgb(im: Image.Image) -> Image.Image:
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
     return im.convert("RGB")
+
+
+def _high_bit_scale(im: Image.Image, name: str) -> float | None:
+    """The factor that maps a high-bit greyscale image onto 0..255; None for other modes."""
+    if im.mode.startswith("I;16"):
+        return 255 / 65535
+    if im.mode not in ("I", "F"):
+        return None
+    lo, hi = im.getextrema()
+    if im.mode == "I" and lo >= 0 and hi <= 65535:
+        return 255 / 65535  # 16-bit samples (how some decoders store 16-bit greyscale)
+    if im.mode == "F" and lo >= 0 and hi <= 1:
+        return 255.0
+    kind = "32-bit integer" if im.mode == "I" else "float"
+    want = "0..65535" if im.mode == "I" else "0..1"
+    raise ValueError(
+        f"image {name} has {kind} greyscale pixels in {lo}..{hi}; only {want} can be scaled "
+        "to 8 bits without guessing their range: convert it to 8 bits first"
+    )
 
 
 def _pack_rgb(im: Image.Image) -> np.ndarray | None:
@@ -126,10 +178,29 @@ def _pack_rgb(im: Image.Image) -> np.ndarray | None:
     return out if err > 0 and pos == out.nbytes else None
 
 
-def _pil_to_chw(im: Image.Image) -> torch.Tensor:
-    hwc = _pack_rgb(im)
-    if hwc is None:
-        hwc = np.array(im)  # [H, W, 3] uint8, writable
+def _convert_in_strips(im: Image.Image, name: str) -> np.ndarray:
+    """Any other mode -> [H, W, 3] uint8, converted a strip of rows at a time."""
+    scale = _high_bit_scale(im, name)
+    out = np.empty((im.height, im.width, 3), np.uint8)
+    rows = max(1, _STRIP_PIXELS // im.width)
+    for y in range(0, im.height, rows):
+        strip = im.crop((0, y, im.width, min(im.height, y + rows)))
+        if scale is None:
+            out[y : y + rows] = np.asarray(_to_rgb(strip))
+        else:
+            grey = np.asarray(strip).astype(np.float32) * scale
+            out[y : y + rows] = np.rint(grey).astype(np.uint8)[..., None]
+    return out
+
+
+def _pil_to_chw(im: Image.Image, name: str) -> torch.Tensor:
+    hwc = None
+    if im.mode == "RGB" and im.info.get("transparency") is None:
+        hwc = _pack_rgb(im)
+        if hwc is None:
+            hwc = np.array(im)  # [H, W, 3] uint8, writable
+    else:
+        hwc = _convert_in_strips(im, name)
     return torch.from_numpy(hwc).permute(2, 0, 1)  # [3, H, W] view
 
 
@@ -171,40 +242,39 @@ def pixels_identity(pixels: torch.Tensor, kind: bytes) -> tuple[bytes | memoryvi
     return (kind, shape, memoryview(pixels.contiguous().numpy()).cast("B"))
 
 
+def as_batch(chw: torch.Tensor) -> torch.Tensor:
+    """[3, H, W] -> [1, 3, H, W]; channels-last strides when `chw` is a view of HWC memory.
+
+    `chw.unsqueeze(0)` would give a batch stride of 3, which torch does not recognise as
+    channels-last, so its resize takes the slow planar uint8 kernel.
+    """
+    return chw.permute(1, 2, 0).unsqueeze(0).permute(0, 3, 1, 2)
+
+
 def decode_image(source: Any, max_pixels: int) -> DecodedImage:
     """Decode any supported image source; ValueError naming the source when it cannot."""
     name = describe(source)
     if isinstance(source, np.ndarray):
         _check_array(source, name, "HWC")
         t = torch.from_numpy(np.ascontiguousarray(source))
-        return DecodedImage(_array_to_chw(t, name), pixels_identity(t, b"hwc-u8"))
+        return DecodedImage(_array_to_chw(t, name), None)
     if isinstance(source, torch.Tensor):
         _check_array(source, name, "CHW")
         t = source.detach().cpu()
         if t.shape[0] not in (1, 3, 4) and t.shape[-1] in (1, 3, 4):
             raise ValueError(f"image {name} looks channels-last; tensors must be CHW")
-        return DecodedImage(_array_to_chw(t.permute(1, 2, 0), name), pixels_identity(t, b"chw-u8"))
+        return DecodedImage(_array_to_chw(t.permute(1, 2, 0), name), None)
     if isinstance(source, Image.Image):
         if source.width * source.height > max_pixels:
             raise ValueError(f"image {name} exceeds max_decoded_pixels={max_pixels}")
-        palette = source.palette.tobytes() if source.mode == "P" and source.palette else b""
-        # NOTE: orientation and a transparency key change the upright RGB pixels, so they are
-        # part of the identity; the stored bytes alone are not.
-        shown = f"{source.getexif().get(_EXIF_ORIENTATION, 1)}|{source.info.get('transparency')!r}"
-        ident = (
-            b"pil",
-            source.mode.encode(),
-            f"{source.size}".encode(),
-            source.tobytes(),
-            palette,
-            shown.encode(),
-        )
-        return DecodedImage(_pil_to_chw(_to_rgb(_upright(source))), ident)
+        # NOTE: no identity: orientation and a transparency key change the upright pixels,
+        # so the key is taken over the resized upright pixels (image.py), which covers both.
+        return DecodedImage(_pil_to_chw(_upright(source), name), None)
     data = read_source_bytes(source)
     if data is None:
         raise ValueError(
             f"unsupported image source {name}; pass a path, bytes, a binary file, a PIL image, "
             "an HWC uint8 numpy array or a CHW uint8 torch tensor"
         )
-    im = _open_checked(data, name, max_pixels)
-    return DecodedImage(_pil_to_chw(_to_rgb(_upright(im))), (b"encoded", data))
+    im = _upright(_open_checked(data, name, max_pixels))  # the unturned image is dropped
+    return DecodedImage(_pil_to_chw(im, name), (b"encoded", data))

@@ -6,10 +6,11 @@ from typing import Any
 
 from mmferry.config import ProcessorConfig
 from mmferry.items import LAYOUTS, Layout, MultimodalItem
-from mmferry.preprocess.decode import decode_image
+from mmferry.preprocess.decode import as_batch, decode_image, pixels_identity
 from mmferry.preprocess.hashing import item_hash
 from mmferry.preprocess.patchify import patchify, resize_u8
 from mmferry.preprocess.resize import smart_resize
+from mmferry.preprocess.threads import intra_op_threads, preprocess_threads, threads_for
 
 
 def check_layout(layout: str) -> None:
@@ -17,9 +18,12 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def process_image(source: Any, cfg: ProcessorConfig, *, layout: Layout = "hf") -> MultimodalItem:
-    """Decode, resize and patchify one image into the requested layout."""
+def process_image(
+    source: Any, cfg: ProcessorConfig, *, layout: Layout = "hf", threads: int | None = None
+) -> MultimodalItem:
+    """Decode, resize and patchify one image into the requested layout (see threads.py)."""
     check_layout(layout)
+    threads = preprocess_threads(threads)
     decoded = decode_image(source, cfg.max_decoded_pixels)
     _, height, width = decoded.pixels.shape
     new_h, new_w = smart_resize(
@@ -29,7 +33,13 @@ def process_image(source: Any, cfg: ProcessorConfig, *, layout: Layout = "hf") -
         min_pixels=cfg.image_min_pixels,
         max_pixels=cfg.image_max_pixels,
     )
-    resized = resize_u8(decoded.pixels.unsqueeze(0), new_h, new_w)  # [1, 3, new_h, new_w]
+    with intra_op_threads(threads_for(3 * new_h * new_w, threads)):
+        resized = resize_u8(as_batch(decoded.pixels), new_h, new_w)  # [1, 3, new_h, new_w]
+    identity = decoded.identity
+    if identity is None:
+        # NOTE: decoded sources are keyed by their resized uint8 pixels, what every layout is
+        # built from: never more bytes than the source, hashed in place without a copy.
+        identity = pixels_identity(resized[0].permute(1, 2, 0), b"resized-hwc-u8")
     feature = patchify(
         resized,
         image=True,
@@ -39,12 +49,13 @@ def process_image(source: Any, cfg: ProcessorConfig, *, layout: Layout = "hf") -
         layout=layout,
         mean=cfg.image_mean,
         std=cfg.image_std,
+        threads=threads,
     )
     return MultimodalItem(
         modality="image",
         feature=feature,
         grid_thw=(1, new_h // cfg.patch_size, new_w // cfg.patch_size),
         layout=layout,
-        hash=item_hash("image", decoded.identity, cfg),
+        hash=item_hash("image", identity, cfg),
         merge_size=cfg.merge_size,
     )

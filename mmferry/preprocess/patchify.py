@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mmferry.preprocess.buffers import empty_host
+from mmferry.preprocess.threads import run_split, threads_for
 
 
 def resize_u8(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -18,9 +19,13 @@ def resize_u8(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
     torch's native uint8 antialiased bicubic kernel is the one torchvision (and so transformers'
     default Qwen-VL processors) runs on CPU for uint8 input; an unchanged size is returned as is.
+    Input in channels-last memory (HWC frames) takes torch's fast vectorised uint8 kernel;
+    other strides are made channels-last first (one copy, cheaper than the planar kernel).
+    The output is the same bit for bit either way.
     """
     if tuple(frames.shape[-2:]) == (height, width):
         return frames
+    frames = frames.contiguous(memory_format=torch.channels_last)
     return F.interpolate(
         frames, size=(height, width), mode="bicubic", antialias=True, align_corners=False
     )
@@ -57,6 +62,7 @@ def patchify(
     layout: str,
     mean: tuple[float, ...],
     std: tuple[float, ...],
+    threads: int = 1,
 ) -> torch.Tensor:
     """Resized uint8 frames `[F, C, H, W]` -> feature rows.
 
@@ -76,17 +82,56 @@ def patchify(
     rows = gt * a * b * merge * merge
     if layout not in ("hf", "compact-u8"):
         raise ValueError(f"unknown layout {layout!r}; use 'hf' or 'compact-u8'")
-    # The strided gather runs on uint8 (4x fewer bytes than float), into patch-row order.
-    compact = empty_host((gt, a, b, merge, merge, c, group, patch, patch), torch.uint8)
-    compact.copy_(src)
     if layout == "compact-u8":
+        # One strided gather on uint8, straight into patch-row order.
+        compact = empty_host((gt * a, b, merge, merge, c, group, patch, patch), torch.uint8)
+        flat = src.flatten(0, 1)
+
+        def gather(start: int, stop: int) -> None:
+            compact[start:stop].copy_(flat[start:stop])
+
+        run_split(gt * a, threads_for(compact.nbytes, threads), gather)
         return compact.view(rows, c * group * patch * patch)
-    # NOTE: hf = one contiguous widening copy that also broadcasts an image's T copies, then the
-    # per-channel affine (mean and std folded with the 1/255 rescale) once, in place, where it
-    # vectorises. torch's mixed-dtype strided kernels are slower than these passes together.
-    out = empty_host((rows, c, temporal, patch * patch), torch.float32)
-    out.copy_(compact.view(rows, c, group, patch * patch).expand(rows, c, temporal, patch * patch))
-    scale, shift = norm_affine(mean, std)
-    per_c = out.view(rows, c, temporal * patch * patch)
-    torch.addcmul(shift.view(1, c, 1), per_c, scale.view(1, c, 1), out=per_c)
+    out = _hf_rows(src, temporal, mean, std, threads)
     return out.view(rows, c * temporal * patch * patch)
+
+
+# uint8 elements gathered per step of the hf path: the step's float output (x4 bytes, x T)
+# stays in the L2/L3 caches between the widening copy and the in-place affine.
+_HF_STEP = 1 << 18
+
+
+def _hf_rows(
+    src: torch.Tensor,
+    temporal: int,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    threads: int,
+) -> torch.Tensor:
+    """Patch view [gt, a, b, m, m, C, T', P, P] uint8 -> normalised float32 rows, T copies.
+
+    NOTE: one write of the output: per step of merge blocks, gather uint8 into a small buffer,
+    widen it (broadcasting an image's T copies) into the output, and apply the per-channel
+    affine (mean and std folded with the 1/255 rescale) in place while the step is in cache.
+    torch's mixed-dtype strided kernels are several times slower than these passes together.
+    """
+    gt, a, b, m, _, c, group, p, _ = src.shape
+    out = empty_host((gt * a, b, m, m, c, temporal, p * p), torch.float32)
+    src = src.flatten(0, 1)  # [gt*a, b, m, m, C, T', P, P]
+    per_block = m * m * c * group * p * p
+    step = max(1, min(b, _HF_STEP // per_block))  # merge blocks per step
+    scale, shift = norm_affine(mean, std)
+    scale, shift = scale.view(1, 1, 1, c, 1, 1), shift.view(1, 1, 1, c, 1, 1)
+
+    def fill(start: int, stop: int) -> None:
+        tmp = torch.empty((step, m, m, c, group, p, p), dtype=torch.uint8)
+        for i in range(start, stop):
+            for j in range(0, b, step):
+                k = min(step, b - j)
+                part, dst = tmp[:k], out[i, j : j + k]
+                part.copy_(src[i, j : j + k])
+                dst.copy_(part.view(k, m, m, c, group, p * p).expand(k, m, m, c, temporal, p * p))
+                torch.addcmul(shift, dst, scale, out=dst)
+
+    run_split(src.shape[0], threads_for(out.nbytes, threads), fill)
+    return out

@@ -11,6 +11,7 @@ temporal patch size keeps all its frames (transformers divides by zero or raises
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -18,9 +19,46 @@ import torch
 from mmferry.config import ProcessorConfig
 from mmferry.preprocess.resize import smart_resize, smart_resize_video
 
+# Frame rates outside this range are typos or corrupt metadata (1e-300 gives timestamps of
+# 1e300 s); a caller's rate is refused outside it rather than used.
+MIN_SOURCE_FPS, MAX_SOURCE_FPS = 1e-3, 1e6
+
 # transformers' `max_video_tokens` class defaults, used by `cap_pixels_per_frame`.
 QWEN3_MAX_FRAME_TOKENS = 768
 QWEN2_MAX_VIDEO_TOKENS = 128000
+
+
+def check_source_fps(source_fps: float) -> float:
+    """A source frame rate as a float, or a ValueError if it is not a plausible rate."""
+    rate = _real(source_fps, "source_fps")
+    if not MIN_SOURCE_FPS <= rate <= MAX_SOURCE_FPS:
+        raise ValueError(
+            f"source_fps must be a frame rate between {MIN_SOURCE_FPS:g} and "
+            f"{MAX_SOURCE_FPS:g} frames per second, got {source_fps!r}"
+        )
+    return rate
+
+
+def _real(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _check_request(fps: float | None, num_frames: int | None) -> int | None:
+    """Validates the caller's fps / num_frames; returns num_frames as an int."""
+    if fps is not None and num_frames is not None:
+        raise ValueError("pass either fps or num_frames, not both")
+    if fps is not None and _real(fps, "fps") <= 0:
+        raise ValueError(f"fps must be positive, got {fps!r}")
+    if num_frames is None:
+        return None
+    count = _real(num_frames, "num_frames")
+    if count != int(count) or count < 1:
+        raise ValueError(f"num_frames must be a whole number >= 1, got {num_frames!r}")
+    return int(count)
 
 
 def sample_indices(
@@ -34,10 +72,8 @@ def sample_indices(
     """Indices (ascending, into `total` frames) of the frames to keep."""
     if total < 1:
         raise ValueError("a video needs at least one frame")
-    if fps is not None and num_frames is not None:
-        raise ValueError("pass either fps or num_frames, not both")
-    if num_frames is not None and num_frames < 1:
-        raise ValueError(f"num_frames must be >= 1, got {num_frames}")
+    num_frames = _check_request(fps, num_frames)
+    source_fps = check_source_fps(source_fps)
     if fps is None and num_frames is None:
         # The processor's own settings, as transformers applies them.
         if not cfg.do_sample_frames:
@@ -86,10 +122,22 @@ def stride_indices(
     return torch.arange(0, total, total / n).int().tolist()
 
 
-def frame_timestamps(indices: list[int], source_fps: float, temporal: int) -> tuple[float, ...]:
-    """Qwen3-VL: one time (s) per temporal patch, the mean of its first and last frame's time."""
+def frame_timestamps(
+    indices: list[int],
+    source_fps: float,
+    temporal: int,
+    frame_times: Sequence[float] | None = None,
+) -> tuple[float, ...]:
+    """Qwen3-VL: one time (s) per temporal patch, the mean of its first and last frame's time.
+
+    A frame's time is `frame_times[i]` when given (the container's own times, right for
+    variable-frame-rate files), else `i / source_fps` (transformers' rule, right for constant).
+    """
     padded = indices + [indices[-1]] * (-len(indices) % temporal)
-    times = [i / source_fps for i in padded]
+    if frame_times is None:
+        times = [i / source_fps for i in padded]
+    else:
+        times = [frame_times[i] for i in padded]
     return tuple((times[k] + times[k + temporal - 1]) / 2 for k in range(0, len(times), temporal))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,13 @@ from mmferry.preprocess.decode import decode_image, describe, pixels_identity, r
 from mmferry.preprocess.hashing import item_hash
 from mmferry.preprocess.image import check_layout
 from mmferry.preprocess.patchify import patchify, resize_u8
-from mmferry.preprocess.sampling import frame_timestamps, sample_indices, video_target_size
+from mmferry.preprocess.sampling import (
+    check_source_fps,
+    frame_timestamps,
+    sample_indices,
+    video_target_size,
+)
+from mmferry.preprocess.threads import intra_op_threads, preprocess_threads, threads_for
 from mmferry.preprocess.video_decode import decode_frames, probe_video
 
 
@@ -53,7 +60,9 @@ def _frames(
     shapes = {tuple(f.pixels.shape) for f in frames}
     if len(shapes) != 1:
         raise ValueError(f"video {name} frames differ in size: {sorted(shapes)}")
-    ident = [part for f in frames for part in f.identity]
+    ident = [b"frames-rgb-u8"]
+    for f in frames:
+        ident.extend(f.identity or pixels_identity(f.pixels.permute(1, 2, 0), b"hwc-u8"))
     return [f.pixels for f in frames], ident
 
 
@@ -68,6 +77,17 @@ def _is_frame_sequence(source: Any) -> bool:
     return isinstance(source, Sequence) and not isinstance(source, (str, bytes, bytearray))
 
 
+@dataclass(frozen=True)
+class _Sampled:
+    frames: torch.Tensor  # [n + pad, 3, h, w] uint8, resized
+    indices: list[int]
+    total: int
+    rate: float
+    identity: list[bytes | memoryview]
+    # Each source frame's own time (s), when the container gives them; else index / rate.
+    times: tuple[float, ...] | None
+
+
 def _sampled_frames(
     source: Any,
     name: str,
@@ -75,8 +95,11 @@ def _sampled_frames(
     fps: float | None,
     num_frames: int | None,
     source_fps: float | None,
-) -> tuple[torch.Tensor, list[int], int, float, list[bytes | memoryview]]:
-    """(sampled frames [n + pad, 3, H, W] uint8, indices, total frames, rate, identity)."""
+    threads: int,
+) -> _Sampled:
+    """The sampled frames, padded to the temporal patch and resized."""
+    if source_fps is not None:
+        check_source_fps(source_fps)
     if _is_frame_sequence(source):
         if source_fps is None:
             raise ValueError(
@@ -89,8 +112,13 @@ def _sampled_frames(
         slots = _padded(indices, cfg.temporal_patch_size)
         # Only the sampled frames are gathered.
         if isinstance(all_frames, torch.Tensor):
-            return all_frames[slots], indices, total, rate, identity
-        return torch.stack([all_frames[i] for i in slots]), indices, total, rate, identity
+            frames = all_frames[slots]
+        else:
+            frames = torch.stack([all_frames[i] for i in slots])
+        new_h, new_w = video_target_size(cfg, len(indices), *frames.shape[2:])
+        with intra_op_threads(threads_for(frames.shape[0] * 3 * new_h * new_w, threads)):
+            frames = resize_u8(frames, new_h, new_w)
+        return _Sampled(frames, indices, total, rate, identity, None)
     if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)) and not hasattr(
         source, "read"
     ):
@@ -109,9 +137,17 @@ def _sampled_frames(
                 f"video {name} frames of {h}x{w} exceed max_decoded_pixels={cfg.max_decoded_pixels}"
             )
 
+    def target_size(h: int, w: int) -> tuple[int, int]:
+        # NOTE: sized by the sampled count before padding, as transformers sizes it.
+        return video_target_size(cfg, len(indices), h, w)
+
     slots = _padded(indices, cfg.temporal_patch_size)
-    frames = decode_frames(data, name, slots, check_size).permute(0, 3, 1, 2)
-    return frames, indices, info.total_frames, rate, [b"encoded", data]
+    # NOTE: frames are resized as they are decoded: decoded frames are never all held.
+    with intra_op_threads(1):
+        frames = decode_frames(data, name, slots, check_size, target_size, info)
+    # A rate given by the caller overrides the container's times (as for frame sequences).
+    times = info.times if source_fps is None else None
+    return _Sampled(frames, indices, info.total_frames, rate, [b"encoded", data], times)
 
 
 def process_video(
@@ -122,17 +158,15 @@ def process_video(
     fps: float | None = None,
     num_frames: int | None = None,
     source_fps: float | None = None,
+    threads: int | None = None,
 ) -> MultimodalItem:
     """Sample, resize and patchify one video (a file, bytes, or frames with `source_fps`)."""
     check_layout(layout)
+    threads = preprocess_threads(threads)
     name = describe(source) if not isinstance(source, list) else f"<{len(source)} frames>"
-    frames, indices, total, rate, identity = _sampled_frames(
-        source, name, cfg, fps, num_frames, source_fps
-    )
-    padded_n, _, height, width = frames.shape
-    # NOTE: sized by the sampled count before padding, as transformers sizes it.
-    new_h, new_w = video_target_size(cfg, len(indices), height, width)
-    resized = resize_u8(frames, new_h, new_w)  # [n + pad, 3, new_h, new_w]
+    sampled = _sampled_frames(source, name, cfg, fps, num_frames, source_fps, threads)
+    resized, indices, total, rate = sampled.frames, sampled.indices, sampled.total, sampled.rate
+    padded_n, _, new_h, new_w = resized.shape
     temporal = cfg.temporal_patch_size
     feature = patchify(
         resized,
@@ -143,11 +177,12 @@ def process_video(
         layout=layout,
         mean=cfg.video_mean,
         std=cfg.video_std,
+        threads=threads,
     )
     settings = json.dumps({"fps": fps, "num_frames": num_frames, "source_fps": source_fps})
     timestamps = second_per_grid_t = None
     if spec_for(cfg.family).timestamps_in_prompt:
-        timestamps = frame_timestamps(indices, rate, temporal)
+        timestamps = frame_timestamps(indices, rate, temporal, sampled.times)
     else:
         # As Qwen2.5-VL's processor: T / the sampled frame rate (metadata.sampled_fps).
         second_per_grid_t = temporal / (len(indices) / total * rate)
@@ -156,7 +191,7 @@ def process_video(
         feature=feature,
         grid_thw=(padded_n // temporal, new_h // cfg.patch_size, new_w // cfg.patch_size),
         layout=layout,
-        hash=item_hash("video", identity, cfg, settings.encode()),
+        hash=item_hash("video", sampled.identity, cfg, settings.encode()),
         merge_size=cfg.merge_size,
         timestamps=timestamps,
         second_per_grid_t=second_per_grid_t,

@@ -1,0 +1,84 @@
+"""How many threads preprocessing uses, and running its work on them.
+
+NOTE: on a shared host, torch's intra-op pool hurts small and fine-grained work: its workers
+spin at every op's barrier and a descheduled worker stalls the op (a 0.7 ms resize took
+20-30 ms with two threads on a loaded 2-core host). So preprocessing runs small items on one
+thread, splits large gathers into a few coarse ranges on plain Python threads (torch ops
+release the GIL), and gives the resize, one large op, the intra-op threads.
+
+The count is the `threads=` argument of `process_image` / `process_video`, else the
+`MMFERRY_PREPROCESS_THREADS` environment variable, else 1. One is the measured default for
+shared hosts: on a shared 2-core host, two threads ran the 16-image benchmark at 0.87-1.41x
+the speed of one (medians of two runs, BENCHMARKS.md), a gain only while the other tenants
+left a core free. On a dedicated host, set the count to its free cores.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+
+ENV_THREADS = "MMFERRY_PREPROCESS_THREADS"
+DEFAULT_THREADS = 1
+# Below this many output bytes an item runs on one thread: waking workers costs more.
+PARALLEL_MIN_BYTES = 4 << 20
+
+
+def preprocess_threads(threads: int | None = None) -> int:
+    """The thread count for a preprocessing call: the argument, the env variable, or a default."""
+    if threads is None:
+        raw = os.environ.get(ENV_THREADS, "").strip()
+        if not raw:
+            return DEFAULT_THREADS
+        try:
+            threads = int(raw)
+        except ValueError:
+            raise ValueError(f"{ENV_THREADS} must be a positive integer, got {raw!r}") from None
+        source = ENV_THREADS
+    else:
+        source = "threads"
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"{source} must be a positive integer, got {threads!r}")
+    return threads
+
+
+def threads_for(nbytes: int, threads: int) -> int:
+    """Threads worth using for work that writes `nbytes`."""
+    return 1 if nbytes < PARALLEL_MIN_BYTES else threads
+
+
+@contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `n` for the block, then restored.
+
+    NOTE: the count is process-wide; concurrent preprocessing calls should pass the same n.
+    """
+    before = torch.get_num_threads()
+    if before == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_split(n_items: int, threads: int, work: Callable[[int, int], None]) -> None:
+    """`work(start, stop)` over `range(n_items)` in up to `threads` contiguous ranges."""
+    parts = max(1, min(threads, n_items))
+    bounds = [n_items * k // parts for k in range(parts + 1)]
+    # NOTE: each range runs torch ops with one intra-op thread; parallelism comes from here.
+    if parts == 1:
+        with intra_op_threads(1):
+            work(0, n_items)
+        return
+    with intra_op_threads(1), ThreadPoolExecutor(parts - 1) as pool:
+        futures = [pool.submit(work, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
+        work(bounds[0], bounds[1])
+        for f in futures:
+            f.result()
