@@ -375,6 +375,52 @@ def video_figures(report: Report, cfg, rounds: int, quick: bool) -> None:
         report.add(fig)
 
 
+# Where `--baseline-venv` puts the torchvision baseline by default; `mmferry bench preprocess`
+# uses it when it exists (create it once with `python -m bench.preprocess --baseline-venv`).
+DEFAULT_BASELINE_VENV = Path(__file__).resolve().parent.parent / ".bench-venv"
+PARTS = ("images", "floor", "threads", "video")
+
+
+def run(report: Report, quick: bool) -> None:
+    """Every preprocessing figure; the torchvision baseline when its environment exists."""
+    venv = DEFAULT_BASELINE_VENV if DEFAULT_BASELINE_VENV.is_dir() else None
+    measure(report, quick=quick, rounds=MIN_ROUNDS, baseline_venv=venv, parts=PARTS)
+
+
+def measure(report: Report, *, quick: bool, rounds: int, baseline_venv: Path | None, parts) -> None:
+    """The figures of `parts`, with transformers' torchvision processor if `baseline_venv`."""
+    warnings.filterwarnings("ignore")
+    cfg = preset("qwen3-vl")
+    print(f"qwen3-vl settings; {rounds} rounds per figure")
+    datas = make_images(quick)
+    with tempfile.TemporaryDirectory() as tmp:
+        worker = None
+        if baseline_venv is not None and "images" in parts:
+            ensure_baseline_venv(baseline_venv)
+            files = []
+            for i, d in enumerate(datas):
+                files.append(os.path.join(tmp, f"{i}.jpg"))
+                Path(files[-1]).write_bytes(d)
+            worker = TorchvisionWorker(baseline_venv, files, settings(cfg))
+        try:
+            if "images" in parts:
+                report.section("images")
+                check_images(datas, cfg, worker, tmp)
+                image_figures(report, datas, cfg, rounds, worker)
+        finally:
+            if worker is not None:
+                worker.close()
+        if "floor" in parts:
+            report.section("floor")
+            floor_figures(report, cfg, rounds)
+        if "threads" in parts:
+            report.section("threads")
+            thread_figures(report, datas, cfg, rounds)
+        if "video" in parts:
+            report.section("video")
+            video_figures(report, cfg, rounds, quick)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print every preprocessing figure beside its baseline (median, spread over rounds)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -383,43 +429,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--baseline-venv",
         type=Path,
-        help="environment for transformers' torchvision processor (created when missing)",
+        nargs="?",
+        const=DEFAULT_BASELINE_VENV,
+        help="environment for transformers' torchvision processor (created when missing; "
+        "default folder: .bench-venv)",
     )
     ap.add_argument("--json", type=Path, help="write every figure and round here")
-    ap.add_argument("--only", choices=["images", "floor", "threads", "video"], action="append")
+    ap.add_argument("--only", choices=PARTS, action="append")
     args = ap.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    cfg = preset("qwen3-vl")
-    parts = args.only or ["images", "floor", "threads", "video"]
     report = Report()
-    print(f"machine: {machine()}; qwen3-vl settings; {args.rounds} rounds per figure")
-    datas = make_images(args.quick)
-    with tempfile.TemporaryDirectory() as tmp:
-        worker = None
-        if args.baseline_venv is not None and "images" in parts:
-            ensure_baseline_venv(args.baseline_venv)
-            files = []
-            for i, d in enumerate(datas):
-                files.append(os.path.join(tmp, f"{i}.jpg"))
-                Path(files[-1]).write_bytes(d)
-            worker = TorchvisionWorker(args.baseline_venv, files, settings(cfg))
-        try:
-            if "images" in parts:
-                report.section("images")
-                check_images(datas, cfg, worker, tmp)
-                image_figures(report, datas, cfg, args.rounds, worker)
-        finally:
-            if worker is not None:
-                worker.close()
-        if "floor" in parts:
-            report.section("floor")
-            floor_figures(report, cfg, args.rounds)
-        if "threads" in parts:
-            report.section("threads")
-            thread_figures(report, datas, cfg, args.rounds)
-        if "video" in parts:
-            report.section("video")
-            video_figures(report, cfg, args.rounds, args.quick)
+    print(f"machine: {machine()}")
+    parts = args.only or PARTS
+    measure(
+        report, quick=args.quick, rounds=args.rounds, baseline_venv=args.baseline_venv, parts=parts
+    )
     if args.json:
         report.dump_json(args.json)
     return 0
