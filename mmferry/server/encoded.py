@@ -47,6 +47,12 @@ class EncodedItem:
 
         return VisionOutput(self.embeds, self.deepstack)
 
+    def precomputed(self) -> Any:
+        """This item as a `Precomputed` stand-in for `prefill_step` (no re-encode)."""
+        from mmferry.embed.step import Precomputed
+
+        return Precomputed(self.modality, self.vision_output())
+
     def facts(self) -> dict[str, Any]:
         """Everything but the tensors, as JSON-ready values."""
         return {

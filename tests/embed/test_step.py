@@ -5,26 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmferry.config import VisionConfig, preset
+from mmferry.config import preset
 from mmferry.embed.cache import EncoderCache
 from mmferry.embed.step import Precomputed, StepRequest, prefill_step
 from mmferry.encoder.model import VisionEncoder
 from mmferry.items import MultimodalItem
 from mmferry.prompt.expand import expand_prompt
 from mmferry.prompt.mrope import decode_positions
+from tests.support.tiny_models import small_patch_qwen3
 
-TINY = VisionConfig(
-    family="qwen3_vl",
-    depth=2,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    out_hidden_size=16,
-    hidden_act="gelu_pytorch_tanh",
-    patch_size=4,
-    num_position_embeddings=64,
-    deepstack_visual_indexes=(0, 1),
-)
+TINY = small_patch_qwen3()
 CFG = preset("qwen2.5-vl").replace(patch_size=4)  # one span per video: no tokenizer needed
 TOK = CFG.tokens
 VOCAB = TOK.video + 1

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmferry.config import VisionConfig
 from mmferry.encoder.assign import Shard
 from mmferry.encoder.model import VisionEncoder
 from mmferry.encoder.sharded import _sub_item
 from mmferry.items import MultimodalItem
 from mmferry.models import all_specs
+from tests.support.tiny_models import small_patch_qwen3
 
 GRID = (5, 8, 12)  # 5 temporal patches of 8x12: six Qwen2.5 windows per frame at window_size 16
 SPLITS = [(0, 2), (2, 3), (3, 5)]
@@ -75,18 +75,7 @@ def test_transformers_towers_attend_within_a_frame(family):
 
 
 def test_mmferry_sub_items_give_the_whole_video_rows():
-    cfg = VisionConfig(
-        family="qwen3_vl",
-        depth=2,
-        hidden_size=32,
-        intermediate_size=48,
-        num_heads=2,
-        out_hidden_size=16,
-        hidden_act="gelu_pytorch_tanh",
-        patch_size=4,
-        num_position_embeddings=64,
-        deepstack_visual_indexes=(0, 1),
-    )
+    cfg = small_patch_qwen3(intermediate_size=48)
     enc = VisionEncoder.random(config=cfg, seed=3, dtype=torch.float64)
     t, h, w = GRID
     g = torch.Generator().manual_seed(1)

@@ -209,3 +209,32 @@ def test_health_and_metrics(server, client, media_dir):
     ):
         assert name in text, name
     assert metric(server.url, "mmferry_cache_hits_total") >= 1
+
+
+def test_service_items_stand_in_for_local_items_in_prefill_step(client, reference, media_dir):
+    from mmferry.embed.step import StepRequest, prefill_step
+
+    proc, enc = reference
+    img0 = (media_dir / "img0.png").read_bytes()
+    remote = client.encode([image_part(img0, "image/png")])
+    item = proc.image(img0, "compact-u8")
+    tok = proc.config.tokens
+    prompt = proc.expand_prompt([7, tok.vision_start, tok.image, tok.vision_end, 8], [item])
+    width = enc.out_hidden_size
+
+    def embed(ids: torch.Tensor) -> torch.Tensor:  # a text embedding: each id's own row
+        return ids[:, None].float().expand(len(ids), width) / 1e6
+
+    n = len(prompt.input_ids)
+    with torch.inference_mode():
+        local = prefill_step(
+            [StepRequest(prompt, [item], 0, n)], embed_tokens=embed, encoder=enc, device="cpu"
+        )
+        served = prefill_step(
+            [StepRequest(prompt, [remote[0].precomputed()], 0, n)], embed_tokens=embed, device="cpu"
+        )
+    assert served.encoded == 0 and local.encoded == 1
+    torch.testing.assert_close(served.inputs_embeds, local.inputs_embeds, atol=1e-5, rtol=1e-5)
+    assert served.vision_index.tolist() == local.vision_index.tolist()
+    for a, b in zip(served.deepstack, local.deepstack, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

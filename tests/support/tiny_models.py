@@ -6,6 +6,7 @@ spec's `hf_vision` table, so a checkpoint saved here loads into mmferry's tiny t
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,18 @@ def tiny_base_model(model_type: str, *, tokens_per_second: int = 2):
     if "tokens_per_second" in vision:
         vision["tokens_per_second"] = tokens_per_second
     return _classes(model_type)[2](hf_config(model_type, vision=vision, text_config=text)).eval()
+
+
+def small_patch_qwen3(**overrides: Any) -> VisionConfig:
+    """The tiny Qwen3-VL tower with 4-pixel patches (small grids), two deepstack taps."""
+    small = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=16,
+        patch_size=4,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=(0, 1),
+    )
+    return dataclasses.replace(spec_for("qwen3-vl").tiny_config, **{**small, **overrides})
