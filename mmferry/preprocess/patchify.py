@@ -92,46 +92,57 @@ def patchify(
 
         run_split(gt * a, threads_for(compact.nbytes, threads), gather)
         return compact.view(rows, c * group * patch * patch)
-    out = _hf_rows(src, temporal, mean, std, threads)
+    out = _hf_rows(frames, group, temporal, patch, merge, mean, std, threads)
     return out.view(rows, c * temporal * patch * patch)
 
 
-# uint8 elements gathered per step of the hf path: the step's float output (x4 bytes, x T)
-# stays in the L2/L3 caches between the widening copy and the in-place affine.
-_HF_STEP = 1 << 18
+# Float elements normalised per step of the hf path: the step's float slab (x4 bytes) stays in
+# the L2/L3 caches between the affine and the copy into the output.
+_HF_STEP = 1 << 19
 
 
 def _hf_rows(
-    src: torch.Tensor,
+    frames: torch.Tensor,
+    group: int,
     temporal: int,
+    patch: int,
+    merge: int,
     mean: tuple[float, ...],
     std: tuple[float, ...],
     threads: int,
 ) -> torch.Tensor:
-    """Patch view [gt, a, b, m, m, C, T', P, P] uint8 -> normalised float32 rows, T copies.
+    """Resized uint8 frames [F, C, H, W] -> normalised float32 rows [gt*a, b, m, m, C, T, P*P].
 
-    NOTE: one write of the output: per step of merge blocks, gather uint8 into a small buffer,
-    widen it (broadcasting an image's T copies) into the output, and apply the per-channel
-    affine (mean and std folded with the 1/255 rescale) in place while the step is in cache.
-    torch's mixed-dtype strided kernels are several times slower than these passes together.
+    NOTE: one write of the output: per step (a band of merge-block rows, `group` frames), apply
+    the per-channel affine (mean and std folded with the 1/255 rescale) to the band as it lies
+    in the frames, into a small float slab, then copy the slab into patch-row order with one
+    strided copy (an image's T copies broadcast). The affine then runs over the N input pixels
+    on contiguous memory, not over the T*N output values, and the output is written once.
+    torch casts the uint8 band to float32 and runs its float32 addcmul kernel, so each value
+    gets the same bits as normalising the float rows in patch order would give it.
     """
-    gt, a, b, m, _, c, group, p, _ = src.shape
+    f, c, h, w = frames.shape
+    m, p = merge, patch
+    band, a, b = m * p, h // (m * p), w // (m * p)
+    gt = f // group
     out = empty_host((gt * a, b, m, m, c, temporal, p * p), torch.float32)
-    src = src.flatten(0, 1)  # [gt*a, b, m, m, C, T', P, P]
-    per_block = m * m * c * group * p * p
-    step = max(1, min(b, _HF_STEP // per_block))  # merge blocks per step
+    step = max(1, min(b, _HF_STEP // (group * c * band * band)))  # merge blocks per step
     scale, shift = norm_affine(mean, std)
-    scale, shift = scale.view(1, 1, 1, c, 1, 1), shift.view(1, 1, 1, c, 1, 1)
+    scale, shift = scale.view(1, c, 1, 1), shift.view(1, c, 1, 1)
 
     def fill(start: int, stop: int) -> None:
-        tmp = torch.empty((step, m, m, c, group, p, p), dtype=torch.uint8)
-        for i in range(start, stop):
+        slab = torch.empty((group, c, band, step * band), dtype=torch.float32)
+        for r in range(start, stop):
+            t, i = divmod(r, a)
+            rows = frames[t * group : (t + 1) * group, :, i * band : (i + 1) * band]
             for j in range(0, b, step):
                 k = min(step, b - j)
-                part, dst = tmp[:k], out[i, j : j + k]
-                part.copy_(src[i, j : j + k])
-                dst.copy_(part.view(k, m, m, c, group, p * p).expand(k, m, m, c, temporal, p * p))
-                torch.addcmul(shift, dst, scale, out=dst)
+                part = slab[..., : k * band]
+                torch.addcmul(shift, rows[..., j * band : (j + k) * band], scale, out=part)
+                # [T', C, m, P, k, m, P] -> [k, m, m, C, T', P, P], T' broadcast to T
+                v = part.view(group, c, m, p, k, m, p).permute(4, 2, 5, 1, 0, 3, 6)
+                dst = out[r, j : j + k].view(k, m, m, c, temporal, p, p)
+                dst.copy_(v.expand(k, m, m, c, temporal, p, p))
 
-    run_split(src.shape[0], threads_for(out.nbytes, threads), fill)
+    run_split(gt * a, threads_for(out.nbytes, threads), fill)
     return out
