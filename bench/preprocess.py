@@ -147,7 +147,7 @@ class TorchvisionWorker:
     """transformers' default processor in the baseline environment, one process per run."""
 
     def __init__(self, venv: Path, files: list[str], settings: dict) -> None:
-        worker = Path(__file__).with_name("tv_worker.py")
+        worker = Path(__file__).with_name("_tv_worker.py")
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self.proc = subprocess.Popen(
             [str(venv / "bin" / "python"), str(worker)],

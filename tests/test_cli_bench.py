@@ -30,6 +30,7 @@ def test_every_bench_module_is_found_and_none_else():
     names = available(bench_root())
     assert {"encoder", "load", "preprocess", "sharded"} <= set(names)
     assert "harness" not in names and "__init__" not in names
+    assert not [n for n in names if n.startswith("_")], "helpers are not benchmarks"
 
 
 def test_table_shows_baseline_ours_ratio_and_spread():

@@ -1,0 +1,25 @@
+"""Every benchmark module imports and follows the runner contract (a stale import fails here)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+MODULES = sorted(
+    p.stem for p in BENCH.glob("*.py") if not p.stem.startswith("_") and p.stem != "harness"
+)
+# Modules without a baseline to compare against print their own report instead of figures.
+NO_FIGURES = {"stress"}
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_bench_module_imports_and_has_an_entry_point(name):
+    mod = importlib.import_module(f"bench.{name}")
+    if name in NO_FIGURES:
+        return
+    assert list(inspect.signature(mod.run).parameters) == ["report", "quick"]
+    assert callable(mod.main)
