@@ -11,6 +11,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ from mmferry.config import ProcessorConfig
 from mmferry.items import Layout, MultimodalItem
 from mmferry.models.base import spec_for
 from mmferry.preprocess.decode import decode_image, describe, pixels_identity, read_source_bytes
-from mmferry.preprocess.hashing import item_hash
+from mmferry.preprocess.hashing import identity_nbytes, item_hash
 from mmferry.preprocess.image import check_layout
 from mmferry.preprocess.patchify import patchify, resize_u8
 from mmferry.preprocess.sampling import (
@@ -29,7 +30,12 @@ from mmferry.preprocess.sampling import (
     sample_indices,
     video_target_size,
 )
-from mmferry.preprocess.threads import intra_op_threads, preprocess_threads, threads_for
+from mmferry.preprocess.threads import (
+    alongside,
+    intra_op_threads,
+    preprocess_threads,
+    threads_for,
+)
 from mmferry.preprocess.video_decode import decode_frames, probe_video
 
 
@@ -168,18 +174,23 @@ def process_video(
     resized, indices, total, rate = sampled.frames, sampled.indices, sampled.total, sampled.rate
     padded_n, _, new_h, new_w = resized.shape
     temporal = cfg.temporal_patch_size
-    feature = patchify(
-        resized,
-        image=False,
-        patch=cfg.patch_size,
-        merge=cfg.merge_size,
-        temporal=temporal,
-        layout=layout,
-        mean=cfg.video_mean,
-        std=cfg.video_std,
-        threads=threads,
-    )
     settings = json.dumps({"fps": fps, "num_frames": num_frames, "source_fps": source_fps})
+    # NOTE: frame sources are keyed by all their given frames, often more bytes than the
+    # sampled ones: hashed while patchify gathers (threads.py), both only reading them.
+    hash_item = partial(item_hash, "video", sampled.identity, cfg, settings.encode())
+    with alongside(hash_item, identity_nbytes(sampled.identity)) as digest:
+        feature = patchify(
+            resized,
+            image=False,
+            patch=cfg.patch_size,
+            merge=cfg.merge_size,
+            temporal=temporal,
+            layout=layout,
+            mean=cfg.video_mean,
+            std=cfg.video_std,
+            threads=threads,
+        )
+        key = digest()
     timestamps = second_per_grid_t = None
     if spec_for(cfg.family).timestamps_in_prompt:
         timestamps = frame_timestamps(indices, rate, temporal, sampled.times)
@@ -191,7 +202,7 @@ def process_video(
         feature=feature,
         grid_thw=(padded_n // temporal, new_h // cfg.patch_size, new_w // cfg.patch_size),
         layout=layout,
-        hash=item_hash("video", sampled.identity, cfg, settings.encode()),
+        hash=key,
         merge_size=cfg.merge_size,
         timestamps=timestamps,
         second_per_grid_t=second_per_grid_t,
