@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -89,7 +90,8 @@ class _Sampled:
     indices: list[int]
     total: int
     rate: float
-    identity: list[bytes | memoryview]
+    # Joins the item hash started as soon as the identity parts were known (process_video).
+    digest: Callable[[], str]
     # Each source frame's own time (s), when the container gives them; else index / rate.
     times: tuple[float, ...] | None
 
@@ -102,8 +104,13 @@ def _sampled_frames(
     num_frames: int | None,
     source_fps: float | None,
     threads: int,
+    start_hash: Callable[[list[bytes | memoryview]], Callable[[], str]],
 ) -> _Sampled:
-    """The sampled frames, padded to the temporal patch and resized."""
+    """The sampled frames, padded to the temporal patch and resized.
+
+    The hash of the identity parts is started (`start_hash`) before the frames are sampled,
+    decoded and resized, so it runs alongside that work.
+    """
     if source_fps is not None:
         check_source_fps(source_fps)
     if _is_frame_sequence(source):
@@ -113,6 +120,7 @@ def _sampled_frames(
                 "frames can be sampled and timestamped"
             )
         all_frames, identity = _frames(source, name, cfg.max_decoded_pixels)
+        digest = start_hash(identity)
         rate, total = float(source_fps), len(all_frames)
         indices = sample_indices(cfg, total, rate, fps=fps, num_frames=num_frames)
         slots = _padded(indices, cfg.temporal_patch_size)
@@ -124,7 +132,7 @@ def _sampled_frames(
         new_h, new_w = video_target_size(cfg, len(indices), *frames.shape[2:])
         with intra_op_threads(threads_for(frames.shape[0] * 3 * new_h * new_w, threads)):
             frames = resize_u8(frames, new_h, new_w)
-        return _Sampled(frames, indices, total, rate, identity, None)
+        return _Sampled(frames, indices, total, rate, digest, None)
     if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)) and not hasattr(
         source, "read"
     ):
@@ -133,6 +141,7 @@ def _sampled_frames(
             "(PIL images, HWC arrays, a THWC uint8 array or a TCHW uint8 tensor)"
         )
     data = read_source_bytes(source, "video") or b""
+    digest = start_hash([b"encoded", data])
     info = probe_video(data, name)
     rate = float(source_fps) if source_fps is not None else info.fps
     indices = sample_indices(cfg, info.total_frames, rate, fps=fps, num_frames=num_frames)
@@ -153,7 +162,7 @@ def _sampled_frames(
         frames = decode_frames(data, name, slots, check_size, target_size, info)
     # A rate given by the caller overrides the container's times (as for frame sequences).
     times = info.times if source_fps is None else None
-    return _Sampled(frames, indices, info.total_frames, rate, [b"encoded", data], times)
+    return _Sampled(frames, indices, info.total_frames, rate, digest, times)
 
 
 def process_video(
@@ -170,15 +179,21 @@ def process_video(
     check_layout(layout)
     threads = preprocess_threads(threads)
     name = describe(source) if not isinstance(source, list) else f"<{len(source)} frames>"
-    sampled = _sampled_frames(source, name, cfg, fps, num_frames, source_fps, threads)
-    resized, indices, total, rate = sampled.frames, sampled.indices, sampled.total, sampled.rate
-    padded_n, _, new_h, new_w = resized.shape
-    temporal = cfg.temporal_patch_size
     settings = json.dumps({"fps": fps, "num_frames": num_frames, "source_fps": source_fps})
-    # NOTE: frame sources are keyed by all their given frames, often more bytes than the
-    # sampled ones: hashed while patchify gathers (threads.py), both only reading them.
-    hash_item = partial(item_hash, "video", sampled.identity, cfg, settings.encode())
-    with alongside(hash_item, identity_nbytes(sampled.identity)) as digest:
+    with ExitStack() as hashing:
+        # NOTE: frame sources are keyed by all their given frames, often more bytes than the
+        # sampled ones: the hash runs on one extra thread (threads.py) from when its parts are
+        # known until patchify is done; leaving the block, by an error too, waits for it.
+        def start_hash(identity: list[bytes | memoryview]) -> Callable[[], str]:
+            work = partial(item_hash, "video", identity, cfg, settings.encode())
+            return hashing.enter_context(alongside(work, identity_nbytes(identity)))
+
+        sampled = _sampled_frames(
+            source, name, cfg, fps, num_frames, source_fps, threads, start_hash
+        )
+        resized, indices, total, rate = sampled.frames, sampled.indices, sampled.total, sampled.rate
+        padded_n, _, new_h, new_w = resized.shape
+        temporal = cfg.temporal_patch_size
         feature = patchify(
             resized,
             image=False,
@@ -190,7 +205,7 @@ def process_video(
             std=cfg.video_std,
             threads=threads,
         )
-        key = digest()
+        key = sampled.digest()
     timestamps = second_per_grid_t = None
     if spec_for(cfg.family).timestamps_in_prompt:
         timestamps = frame_timestamps(indices, rate, temporal, sampled.times)

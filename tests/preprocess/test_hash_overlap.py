@@ -140,3 +140,26 @@ def test_alongside_inline_below_threshold():
     with pytest.raises(ValueError, match="bad part"), alongside(fails, 1 << 30) as result:
         result()
     assert not _hash_threads()
+
+
+@pytest.mark.parametrize("failing", ["hash", "gather"])
+def test_video_errors_propagate_after_the_hash(monkeypatch, failing):
+    done: list[bool] = []
+
+    def slow_hash(*args: Any) -> str:
+        time.sleep(0.2)
+        if failing == "hash":
+            raise RuntimeError("hash failed")
+        done.append(True)
+        return item_hash(*args)
+
+    def broken_patchify(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("gather failed")
+
+    monkeypatch.setattr(threads_mod, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(video_mod, "item_hash", slow_hash)
+    if failing == "gather":
+        monkeypatch.setattr(video_mod, "patchify", broken_patchify)
+    with pytest.raises(RuntimeError, match=f"{failing} failed"):
+        process_video(ref.moving_frames(6, 32, 48, seed=3), CFG, source_fps=6)
+    assert done == ([True] if failing == "gather" else []) and not _hash_threads()
