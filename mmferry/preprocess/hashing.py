@@ -30,3 +30,8 @@ def item_hash(
         h.update(memoryview(part).nbytes.to_bytes(8, "little"))
         h.update(part)
     return h.digest()[:_DIGEST_BYTES].hex()
+
+
+def identity_nbytes(identity: Iterable[bytes | memoryview]) -> int:
+    """Bytes an item hash reads for these parts (what decides whether it runs alongside)."""
+    return sum(memoryview(part).nbytes for part in identity)

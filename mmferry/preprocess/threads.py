@@ -11,6 +11,12 @@ The count is the `threads=` argument of `process_image` / `process_video`, else 
 shared hosts: on a shared 2-core host, two threads ran the 16-image benchmark at 0.87-1.41x
 the speed of one (medians of two runs, BENCHMARKS.md), a gain only while the other tenants
 left a core free. On a dedicated host, set the count to its free cores.
+
+One exception, whatever the count: a large item's hash (`alongside`) runs on one extra thread
+while its patchify gather runs, then is joined before the item is returned. It is one coarse
+task with no barrier to spin at (hashlib releases the GIL for the whole buffer), so a
+descheduled hash thread delays only the join, never the gather; items under
+`PARALLEL_MIN_BYTES` are hashed inline, and no thread outlives the call.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 ENV_THREADS = "MMFERRY_PREPROCESS_THREADS"
 DEFAULT_THREADS = 1
@@ -82,3 +91,22 @@ def run_split(n_items: int, threads: int, work: Callable[[int, int], None]) -> N
         work(bounds[0], bounds[1])
         for f in futures:
             f.result()
+
+
+@contextmanager
+def alongside(fn: Callable[[], T], nbytes: int) -> Iterator[Callable[[], T]]:
+    """`fn()` on one extra thread while the block runs; the yielded callable joins and returns
+    its result (or raises its error).
+
+    Work reading fewer than `PARALLEL_MIN_BYTES` runs inline before the block: a thread would
+    cost more than it hides. Leaving the block, by an error too, waits for `fn` to finish, so
+    no work outlives the call and the buffers it reads stay valid while it runs.
+    """
+    if nbytes < PARALLEL_MIN_BYTES:
+        value = fn()
+        yield lambda: value
+        return
+    # NOTE: a pool per call rather than a shared one: concurrent calls never queue behind each
+    # other's hashes, and no thread is left alive to be forked or torn down at exit.
+    with ThreadPoolExecutor(1, thread_name_prefix="mmferry-alongside") as pool:
+        yield pool.submit(fn).result

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,7 @@ from mmferry.config import ProcessorConfig
 from mmferry.items import Layout, MultimodalItem
 from mmferry.models.base import spec_for
 from mmferry.preprocess.decode import decode_image, describe, pixels_identity, read_source_bytes
-from mmferry.preprocess.hashing import item_hash
+from mmferry.preprocess.hashing import identity_nbytes, item_hash
 from mmferry.preprocess.image import check_layout
 from mmferry.preprocess.patchify import patchify, resize_u8
 from mmferry.preprocess.sampling import (
@@ -29,7 +31,12 @@ from mmferry.preprocess.sampling import (
     sample_indices,
     video_target_size,
 )
-from mmferry.preprocess.threads import intra_op_threads, preprocess_threads, threads_for
+from mmferry.preprocess.threads import (
+    alongside,
+    intra_op_threads,
+    preprocess_threads,
+    threads_for,
+)
 from mmferry.preprocess.video_decode import decode_frames, probe_video
 
 
@@ -83,7 +90,8 @@ class _Sampled:
     indices: list[int]
     total: int
     rate: float
-    identity: list[bytes | memoryview]
+    # Joins the item hash started as soon as the identity parts were known (process_video).
+    digest: Callable[[], str]
     # Each source frame's own time (s), when the container gives them; else index / rate.
     times: tuple[float, ...] | None
 
@@ -96,8 +104,13 @@ def _sampled_frames(
     num_frames: int | None,
     source_fps: float | None,
     threads: int,
+    start_hash: Callable[[list[bytes | memoryview]], Callable[[], str]],
 ) -> _Sampled:
-    """The sampled frames, padded to the temporal patch and resized."""
+    """The sampled frames, padded to the temporal patch and resized.
+
+    The hash of the identity parts is started (`start_hash`) before the frames are sampled,
+    decoded and resized, so it runs alongside that work.
+    """
     if source_fps is not None:
         check_source_fps(source_fps)
     if _is_frame_sequence(source):
@@ -107,6 +120,7 @@ def _sampled_frames(
                 "frames can be sampled and timestamped"
             )
         all_frames, identity = _frames(source, name, cfg.max_decoded_pixels)
+        digest = start_hash(identity)
         rate, total = float(source_fps), len(all_frames)
         indices = sample_indices(cfg, total, rate, fps=fps, num_frames=num_frames)
         slots = _padded(indices, cfg.temporal_patch_size)
@@ -118,7 +132,7 @@ def _sampled_frames(
         new_h, new_w = video_target_size(cfg, len(indices), *frames.shape[2:])
         with intra_op_threads(threads_for(frames.shape[0] * 3 * new_h * new_w, threads)):
             frames = resize_u8(frames, new_h, new_w)
-        return _Sampled(frames, indices, total, rate, identity, None)
+        return _Sampled(frames, indices, total, rate, digest, None)
     if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)) and not hasattr(
         source, "read"
     ):
@@ -127,6 +141,7 @@ def _sampled_frames(
             "(PIL images, HWC arrays, a THWC uint8 array or a TCHW uint8 tensor)"
         )
     data = read_source_bytes(source, "video") or b""
+    digest = start_hash([b"encoded", data])
     info = probe_video(data, name)
     rate = float(source_fps) if source_fps is not None else info.fps
     indices = sample_indices(cfg, info.total_frames, rate, fps=fps, num_frames=num_frames)
@@ -147,7 +162,7 @@ def _sampled_frames(
         frames = decode_frames(data, name, slots, check_size, target_size, info)
     # A rate given by the caller overrides the container's times (as for frame sequences).
     times = info.times if source_fps is None else None
-    return _Sampled(frames, indices, info.total_frames, rate, [b"encoded", data], times)
+    return _Sampled(frames, indices, info.total_frames, rate, digest, times)
 
 
 def process_video(
@@ -164,22 +179,33 @@ def process_video(
     check_layout(layout)
     threads = preprocess_threads(threads)
     name = describe(source) if not isinstance(source, list) else f"<{len(source)} frames>"
-    sampled = _sampled_frames(source, name, cfg, fps, num_frames, source_fps, threads)
-    resized, indices, total, rate = sampled.frames, sampled.indices, sampled.total, sampled.rate
-    padded_n, _, new_h, new_w = resized.shape
-    temporal = cfg.temporal_patch_size
-    feature = patchify(
-        resized,
-        image=False,
-        patch=cfg.patch_size,
-        merge=cfg.merge_size,
-        temporal=temporal,
-        layout=layout,
-        mean=cfg.video_mean,
-        std=cfg.video_std,
-        threads=threads,
-    )
     settings = json.dumps({"fps": fps, "num_frames": num_frames, "source_fps": source_fps})
+    with ExitStack() as hashing:
+        # NOTE: frame sources are keyed by all their given frames, often more bytes than the
+        # sampled ones: the hash runs on one extra thread (threads.py) from when its parts are
+        # known until patchify is done; leaving the block, by an error too, waits for it.
+        def start_hash(identity: list[bytes | memoryview]) -> Callable[[], str]:
+            work = partial(item_hash, "video", identity, cfg, settings.encode())
+            return hashing.enter_context(alongside(work, identity_nbytes(identity)))
+
+        sampled = _sampled_frames(
+            source, name, cfg, fps, num_frames, source_fps, threads, start_hash
+        )
+        resized, indices, total, rate = sampled.frames, sampled.indices, sampled.total, sampled.rate
+        padded_n, _, new_h, new_w = resized.shape
+        temporal = cfg.temporal_patch_size
+        feature = patchify(
+            resized,
+            image=False,
+            patch=cfg.patch_size,
+            merge=cfg.merge_size,
+            temporal=temporal,
+            layout=layout,
+            mean=cfg.video_mean,
+            std=cfg.video_std,
+            threads=threads,
+        )
+        key = sampled.digest()
     timestamps = second_per_grid_t = None
     if spec_for(cfg.family).timestamps_in_prompt:
         timestamps = frame_timestamps(indices, rate, temporal, sampled.times)
@@ -191,7 +217,7 @@ def process_video(
         feature=feature,
         grid_thw=(padded_n // temporal, new_h // cfg.patch_size, new_w // cfg.patch_size),
         layout=layout,
-        hash=item_hash("video", sampled.identity, cfg, settings.encode()),
+        hash=key,
         merge_size=cfg.merge_size,
         timestamps=timestamps,
         second_per_grid_t=second_per_grid_t,
