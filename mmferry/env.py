@@ -13,6 +13,8 @@ PREFIX = "MMFERRY_"
 class Env:
     """Settings taken from the environment rather than the command line."""
 
+    # Threads a preprocessing call uses when it does not say (see preprocess/threads.py).
+    preprocess_threads: int | None = None
     # The encoder service's API key. Kept out of argv so it does not show in process lists.
     api_key: str | None = None
     # Set by torchrun (not ours to rename): this process's place in the group.
@@ -25,8 +27,22 @@ class Env:
         """The settings in `environ` (default: this process's environment)."""
         env = os.environ if environ is None else environ
         return cls(
+            preprocess_threads=_positive_int(env, f"{PREFIX}PREPROCESS_THREADS"),
             api_key=env.get(f"{PREFIX}API_KEY") or None,
             world_size=int(env.get("WORLD_SIZE", "1")),
             rank=int(env.get("RANK", "0")),
             local_rank=int(env.get("LOCAL_RANK", "0")),
         )
+
+
+def _positive_int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
+    return value

@@ -161,18 +161,7 @@ def _run(args: argparse.Namespace) -> int:
         for key, out in zip(todo, enc(list(todo.values()))):
             done[key] = out
         for path, it in batch:
-            out = done[it.hash]
-            encoded.append(
-                EncodedItem(
-                    it.modality,
-                    out.embeds,
-                    out.deepstack,
-                    it.grid_thw,
-                    it.num_tokens,
-                    it.hash,
-                    str(path),
-                )
-            )
+            encoded.append(EncodedItem.of(it, done[it.hash], source=str(path)))
         bar.update(len(batch), sum(it.num_tokens for _, it in batch))
     bar.close()
     for src, why in failed:

@@ -101,21 +101,28 @@ class EncoderCache:
 def encode_with_cache(
     encode: Callable[[Sequence[MultimodalItem]], list[VisionOutput]],
     items: Sequence[MultimodalItem],
-    cache: EncoderCache,
+    cache: EncoderCache | None,
 ) -> list[VisionOutput]:
     """Outputs for `items`: cache hits reused, misses deduplicated by hash and encoded once."""
-    found: dict[str, VisionOutput] = {}
-    misses: dict[str, MultimodalItem] = {}
+    # Keyed by token count too, so a (vanishingly unlikely) hash collision between two items of
+    # different sizes can never hand one the other's rows.
+    found: dict[tuple[str, int], VisionOutput] = {}
+    misses: dict[tuple[str, int], MultimodalItem] = {}
     for it in items:
-        if it.hash in found or it.hash in misses:
+        key = (it.hash, it.num_tokens)
+        if key in found or key in misses:
             continue
-        hit = cache.get(it.hash, it.num_tokens)
+        hit = cache.get(*key) if cache is not None else None
         if hit is None:
-            misses[it.hash] = it
+            misses[key] = it
         else:
-            found[it.hash] = hit
+            found[key] = hit
     if misses:
-        for key, out in zip(misses, encode(list(misses.values()))):
+        outs = encode(list(misses.values()))
+        if len(outs) != len(misses):
+            raise ValueError(f"the encoder returned {len(outs)} outputs for {len(misses)} items")
+        for key, out in zip(misses, outs):
             # Hand back the cache's own copy when it kept one, so later hits are the same rows.
-            found[key] = cache.peek(key) if cache.put(key, out) else out
-    return [found[it.hash] for it in items]
+            kept = cache is not None and cache.put(key[0], out)
+            found[key] = cache.peek(key[0]) if kept else out
+    return [found[(it.hash, it.num_tokens)] for it in items]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmferry.embed.cache import EncoderCache
+from mmferry.embed.cache import EncoderCache, encode_with_cache
 from mmferry.embed.merge import check_spans
 from mmferry.encoder.model import VisionOutput
 from mmferry.items import Modality, MultimodalItem
@@ -151,37 +151,27 @@ def _vision_outputs(
 ) -> tuple[dict[tuple[int, int], VisionOutput], int]:
     """Each needed item's output: precomputed, cached, or encoded in one deduplicated call."""
     outputs: dict[tuple[int, int], VisionOutput] = {}
-    found: dict[tuple[str, int], VisionOutput] = {}
-    misses: dict[tuple[str, int], MultimodalItem] = {}
-    waiting: list[tuple[tuple[int, int], tuple[str, int]]] = []
+    keys: list[tuple[int, int]] = []
+    items: list[MultimodalItem] = []
     for p in pieces:
         item = requests[p.key[0]].items[p.key[1]]
         if isinstance(item, Precomputed):
             outputs[p.key] = item.output
-            continue
-        # Keyed by token count too, so a (vanishingly unlikely) hash collision between two
-        # items of different sizes can never hand one the other's rows.
-        key = (item.hash, item.num_tokens)
-        if key not in found and key not in misses:
-            hit = cache.get(*key) if cache is not None else None
-            if hit is None:
-                misses[key] = item
-            else:
-                found[key] = hit
-        waiting.append((p.key, key))
-    if misses:
+        else:
+            keys.append(p.key)
+            items.append(item)
+    encoded = 0
+
+    def encode(misses: Sequence[MultimodalItem]) -> list[VisionOutput]:
+        nonlocal encoded
         if encoder is None:
             raise ValueError(f"{len(misses)} item(s) need encoding but no encoder was given")
-        encoded = encoder(list(misses.values()))
-        if len(encoded) != len(misses):
-            raise ValueError(f"the encoder returned {len(encoded)} outputs for {len(misses)} items")
-        for key, out in zip(misses, encoded):
-            if cache is not None and cache.put(key[0], out):
-                out = cache.peek(key[0])
-            found[key] = out
-    for piece_key, key in waiting:
-        outputs[piece_key] = found[key]
-    return outputs, len(misses)
+        encoded = len(misses)
+        return encoder(misses)
+
+    if items:
+        outputs.update(zip(keys, encode_with_cache(encode, items, cache)))
+    return outputs, encoded
 
 
 def _embed_ids(embed: TextEmbedding, ids: torch.Tensor) -> torch.Tensor:

@@ -21,13 +21,14 @@ descheduled hash thread delays only the join, never the gather; items under
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
+
+from mmferry.env import Env
 
 T = TypeVar("T")
 
@@ -40,18 +41,9 @@ PARALLEL_MIN_BYTES = 4 << 20
 def preprocess_threads(threads: int | None = None) -> int:
     """The thread count for a preprocessing call: the argument, the env variable, or a default."""
     if threads is None:
-        raw = os.environ.get(ENV_THREADS, "").strip()
-        if not raw:
-            return DEFAULT_THREADS
-        try:
-            threads = int(raw)
-        except ValueError:
-            raise ValueError(f"{ENV_THREADS} must be a positive integer, got {raw!r}") from None
-        source = ENV_THREADS
-    else:
-        source = "threads"
+        return Env.read().preprocess_threads or DEFAULT_THREADS
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"{source} must be a positive integer, got {threads!r}")
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
     return threads
 
 

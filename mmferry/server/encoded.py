@@ -41,6 +41,22 @@ class EncodedItem:
                     f"deepstack {k} has shape {tuple(d.shape)}, embeds {tuple(self.embeds.shape)}"
                 )
 
+    @classmethod
+    def of(
+        cls, item: Any, out: Any, *, source: str = "", dtype: torch.dtype | None = None
+    ) -> EncodedItem:
+        """A `MultimodalItem`'s encoder output (a `VisionOutput`), cast to `dtype` if given."""
+        cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))  # noqa: E731
+        return cls(
+            item.modality,
+            cast(out.embeds),
+            tuple(cast(d) for d in out.deepstack),
+            item.grid_thw,
+            item.num_tokens,
+            item.hash,
+            source,
+        )
+
     def vision_output(self) -> Any:
         """The same rows as a `VisionOutput`, for the encoder cache and the merge step."""
         from mmferry.encoder.model import VisionOutput

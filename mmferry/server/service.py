@@ -172,21 +172,10 @@ class EncoderService:
         )
         outs = await self.batcher.encode(items)
         with self.metrics.stage("respond"):
-            encoded = [self._encoded(it, out, dtype) for it, out in zip(items, outs)]
+            encoded = [EncodedItem.of(it, out, dtype=dtype) for it, out in zip(items, outs)]
             if response == "shm":
                 return EncodeResult(encoded, self._shm_body(encoded))
             return EncodeResult(encoded, to_bytes(encoded))
-
-    @staticmethod
-    def _encoded(item: MultimodalItem, out: VisionOutput, dtype: torch.dtype) -> EncodedItem:
-        return EncodedItem(
-            modality=item.modality,
-            embeds=out.embeds.to(dtype),
-            deepstack=tuple(d.to(dtype) for d in out.deepstack),
-            grid_thw=item.grid_thw,
-            num_tokens=item.num_tokens,
-            hash=item.hash,
-        )
 
     def _shm_body(self, encoded: list[EncodedItem]) -> dict[str, Any]:
         arena = self._arena
