@@ -120,21 +120,11 @@ class EncoderService:
             raise RequestError(
                 422, "bad_request", f"unknown field(s) {unknown}; accepted: content, {OPTIONS}"
             )
-        layout = options.get("layout", "compact-u8")
-        if layout not in LAYOUTS:
-            raise RequestError(
-                422, "bad_request", f"layout must be one of {LAYOUTS}, got {layout!r}"
-            )
-        dtype_name = options.get("dtype", str(self.encoder.dtype).removeprefix("torch."))
-        if dtype_name not in DTYPES:
-            raise RequestError(
-                422, "bad_request", f"dtype must be one of {tuple(DTYPES)}, got {dtype_name!r}"
-            )
-        response = options.get("response", "safetensors")
-        if response not in RESPONSES:
-            raise RequestError(
-                422, "bad_request", f"response must be one of {RESPONSES}, got {response!r}"
-            )
+        layout = _choice(options, "layout", "compact-u8", LAYOUTS)
+        dtype_name = _choice(
+            options, "dtype", str(self.encoder.dtype).removeprefix("torch."), tuple(DTYPES)
+        )
+        response = _choice(options, "response", "safetensors", RESPONSES)
         if response == "shm" and (self._arena is None or not local):
             why = "the server runs with --shm-mib 0" if self._arena is None else "it is remote"
             raise RequestError(
@@ -195,3 +185,13 @@ class EncoderService:
             doc["deepstack"] = [_handle_json(h) for h in handles[1:]]
             docs.append(doc)
         return {"items": docs}
+
+
+def _choice(options: dict[str, Any], name: str, default: str, allowed: Sequence[str]) -> str:
+    """The request's `name` option, or `default`; 422 unless it is one of `allowed`."""
+    value = options.get(name, default)
+    if value not in allowed:
+        raise RequestError(
+            422, "bad_request", f"{name} must be one of {tuple(allowed)}, got {value!r}"
+        )
+    return value
