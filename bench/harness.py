@@ -141,6 +141,40 @@ def compare(
     return Figure(label, base_name, rate(times["base"]), rate(times["ours"]), unit, True, note)
 
 
+def interleave(
+    runners: dict[str, Callable[[], float]], *, rounds: int = MIN_ROUNDS, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Seconds per round of each runner (each returns the seconds it took), all interleaved.
+
+    For more than two sides, or sides that time themselves (a worker process): every round
+    runs every side once, the order rotating each round; warm-up calls are left out.
+    """
+    if rounds < MIN_ROUNDS:
+        raise ValueError(f"at least {MIN_ROUNDS} rounds make a figure, got {rounds}")
+    for _ in range(warmup):
+        for fn in runners.values():
+            fn()
+    names = list(runners)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        # NOTE: the order rotates each round, so load and cache effects hit every side.
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(runners[name]())
+    return times
+
+
+def timed(fn: Callable[[], object]) -> Callable[[], float]:
+    """`fn` as a runner for `interleave`: it returns the seconds one call took."""
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return run
+
+
 def check_equal(name: str, ours: torch.Tensor, ref: torch.Tensor, *, atol: float = 0.0) -> None:
     """Raise unless two outputs agree (exactly, or within `atol`), before anything is timed."""
     if ours.shape != ref.shape:

@@ -15,6 +15,8 @@ class Env:
 
     # Threads a preprocessing call uses when it does not say (see preprocess/threads.py).
     preprocess_threads: int | None = None
+    # Freed preprocessing buffers kept for reuse, in MiB (0: none; see preprocess/buffers.py).
+    host_cache_mb: int = 2048
     # The encoder service's API key. Kept out of argv so it does not show in process lists.
     api_key: str | None = None
     # Set by torchrun (not ours to rename): this process's place in the group.
@@ -28,6 +30,7 @@ class Env:
         env = os.environ if environ is None else environ
         return cls(
             preprocess_threads=_positive_int(env, f"{PREFIX}PREPROCESS_THREADS"),
+            host_cache_mb=_count(env, f"{PREFIX}HOST_CACHE_MB", 2048),
             api_key=env.get(f"{PREFIX}API_KEY") or None,
             world_size=int(env.get("WORLD_SIZE", "1")),
             rank=int(env.get("RANK", "0")),
@@ -45,4 +48,17 @@ def _positive_int(env: Mapping[str, str], name: str) -> int | None:
         value = 0
     if value < 1:
         raise ValueError(f"{name} must be a positive integer, got {raw!r}")
+    return value
+
+
+def _count(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name} must be a whole number (0 or more), got {raw!r}")
     return value

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+from mmferry.preprocess.buffers import empty_host
 
 _EXIF_ORIENTATION = 0x0112
 # Pillow's bytes per pixel by mode, to bound a decode's memory from the header alone.
@@ -161,7 +164,7 @@ def _pack_rgb(im: Image.Image) -> np.ndarray | None:
     Relies on Pillow's raw encoder interface; None (use the portable path) if it changes.
     """
     try:
-        out = np.empty((im.height, im.width, 3), np.uint8)
+        out = empty_host((im.height, im.width, 3), torch.uint8).numpy()
         flat = memoryview(out).cast("B")
         enc = Image._getencoder("RGB", "raw", "RGB")
         enc.setimage(im.im, (0, 0, im.width, im.height))
@@ -256,7 +259,15 @@ def decode_image(source: Any, max_pixels: int) -> DecodedImage:
     name = describe(source)
     if isinstance(source, np.ndarray):
         _check_array(source, name, "HWC")
-        t = torch.from_numpy(np.ascontiguousarray(source))
+        # NOTE: a strided array (a CHW buffer seen as HWC) is used as it lies: the resize makes
+        # it channels-last with torch's copy, faster than numpy's. torch takes no negative
+        # strides (flipped views), so only those are copied here.
+        if min(source.strides) < 0:
+            source = np.ascontiguousarray(source)
+        with warnings.catch_warnings():
+            # Read-only arrays (np.asarray of a PIL image) are common; mmferry only reads them.
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            t = torch.from_numpy(source)
         return DecodedImage(_array_to_chw(t, name), None)
     if isinstance(source, torch.Tensor):
         _check_array(source, name, "CHW")

@@ -21,14 +21,24 @@ def resize_u8(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
     default Qwen-VL processors) runs on CPU for uint8 input; an unchanged size is returned as is.
     Input in channels-last memory (HWC frames) takes torch's fast vectorised uint8 kernel;
     other strides are made channels-last first (one copy, cheaper than the planar kernel).
-    The output is the same bit for bit either way.
+    The output is the same bit for bit either way, channels-last, in a recycled host buffer.
     """
     if tuple(frames.shape[-2:]) == (height, width):
         return frames
     frames = frames.contiguous(memory_format=torch.channels_last)
-    return F.interpolate(
-        frames, size=(height, width), mode="bicubic", antialias=True, align_corners=False
-    )
+    f, c = frames.shape[:2]
+    out = empty_host((f, height, width, c), torch.uint8).permute(0, 3, 1, 2)
+    try:
+        # NOTE: the out= form of the op F.interpolate calls, so that the output lands in a
+        # recycled buffer (buffers.py) instead of fresh pages.
+        return _upsample_aa(frames, [height, width], False, None, None, out=out)
+    except (AttributeError, RuntimeError, TypeError):  # the private op changed: portable path
+        return F.interpolate(
+            frames, size=(height, width), mode="bicubic", antialias=True, align_corners=False
+        )
+
+
+_upsample_aa = getattr(torch._C._nn, "_upsample_bicubic2d_aa", None)
 
 
 def _patch_view(frames: torch.Tensor, temporal: int, patch: int, merge: int) -> torch.Tensor:

@@ -220,3 +220,26 @@ def test_thread_setting(monkeypatch):
 def test_decoded_bytes_are_read_once():
     data = encode(Image.fromarray(gradient(64, 64, 1)), "PNG")
     assert process_image(io.BytesIO(data), CFG).hash == process_image(data, CFG).hash
+
+
+def test_strided_arrays_give_the_item_of_their_contiguous_copy():
+    """Arrays that are views (planar memory seen as HWC, flipped, a channel slice, read-only)
+    give the same feature rows and key as `np.ascontiguousarray` of them."""
+    rgb = gradient(300, 400, 5)
+    planar = np.ascontiguousarray(rgb.transpose(2, 0, 1)).transpose(1, 2, 0)
+    rgba = np.concatenate([rgb, rgb[..., :1]], -1)
+    readonly = rgb.copy()
+    readonly.flags.writeable = False
+    views = {
+        "planar": planar,
+        "flipped": rgb[::-1, ::-1],
+        "channel slice": rgba[..., :3],
+        "every other column": rgb[:, ::2],
+        "read-only": readonly,
+    }
+    for name, view in views.items():
+        for layout in ("hf", "compact-u8"):
+            got = process_image(view, CFG, layout=layout)
+            want = process_image(np.ascontiguousarray(view), CFG, layout=layout)
+            assert torch.equal(got.feature, want.feature), (name, layout)
+            assert got.hash == want.hash, (name, layout)
