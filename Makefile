@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench format
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml mmferry/preprocess/_patches.c
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

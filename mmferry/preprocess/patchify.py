@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mmferry.preprocess.buffers import empty_host
+from mmferry.preprocess.kernels import patch_rows
 from mmferry.preprocess.threads import run_split, threads_for
 
 
@@ -25,8 +26,10 @@ def resize_u8(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """
     if tuple(frames.shape[-2:]) == (height, width):
         return frames
-    frames = frames.contiguous(memory_format=torch.channels_last)
-    f, c = frames.shape[:2]
+    f, c, h, w = frames.shape
+    if not frames.is_contiguous(memory_format=torch.channels_last):
+        hwc = empty_host((f, h, w, c), torch.uint8).permute(0, 3, 1, 2)
+        frames = hwc.copy_(frames)
     out = empty_host((f, height, width, c), torch.uint8).permute(0, 3, 1, 2)
     try:
         # NOTE: the out= form of the op F.interpolate calls, so that the output lands in a
@@ -95,12 +98,16 @@ def patchify(
     if layout == "compact-u8":
         # One strided gather on uint8, straight into patch-row order.
         compact = empty_host((gt * a, b, merge, merge, c, group, patch, patch), torch.uint8)
+        n_threads = threads_for(compact.nbytes, threads)
+        geometry = dict(group=group, temporal=group, patch=patch, merge=merge)
+        if patch_rows(frames, compact, **geometry, affine=None, threads=n_threads):
+            return compact.view(rows, c * group * patch * patch)
         flat = src.flatten(0, 1)
 
         def gather(start: int, stop: int) -> None:
             compact[start:stop].copy_(flat[start:stop])
 
-        run_split(gt * a, threads_for(compact.nbytes, threads), gather)
+        run_split(gt * a, n_threads, gather)
         return compact.view(rows, c * group * patch * patch)
     out = _hf_rows(frames, group, temporal, patch, merge, mean, std, threads)
     return out.view(rows, c * temporal * patch * patch)
@@ -136,6 +143,10 @@ def _hf_rows(
     band, a, b = m * p, h // (m * p), w // (m * p)
     gt = f // group
     out = empty_host((gt * a, b, m, m, c, temporal, p * p), torch.float32)
+    n_threads = threads_for(out.nbytes, threads)
+    geometry = dict(group=group, temporal=temporal, patch=p, merge=m)
+    if patch_rows(frames, out, **geometry, affine=norm_affine(mean, std), threads=n_threads):
+        return out
     step = max(1, min(b, _HF_STEP // (group * c * band * band)))  # merge blocks per step
     scale, shift = norm_affine(mean, std)
     scale, shift = scale.view(1, c, 1, 1), shift.view(1, c, 1, 1)
@@ -154,5 +165,5 @@ def _hf_rows(
                 dst = out[r, j : j + k].view(k, m, m, c, temporal, p, p)
                 dst.copy_(v.expand(k, m, m, c, temporal, p, p))
 
-    run_split(gt * a, threads_for(out.nbytes, threads), fill)
+    run_split(gt * a, n_threads, fill)
     return out

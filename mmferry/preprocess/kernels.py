@@ -1,0 +1,92 @@
+"""The compiled one-pass patch-row kernel (`_patches.c`), when it was built.
+
+`pip install` compiles it where a C compiler is present (it is an optional extension); without
+it, `patch_rows` answers None and patchify.py uses its torch path, which gives the same rows.
+The kernel reads RGB frames in HWC memory (pixel stride 3, channel stride 1, rows of any
+stride), which is what the resize writes; other strides take the torch path too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from functools import cache
+
+import torch
+
+from mmferry.preprocess.threads import run_split
+
+_P = ctypes.c_void_p
+_N = ctypes.c_ssize_t
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    spec = importlib.util.find_spec("mmferry.preprocess._patches")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError:
+        return None
+    lib.mmferry_patches_u8.argtypes = [_P, _N, _N, _N, _N, _N, _N, _N, _N, _N, _P]
+    lib.mmferry_patches_f32.argtypes = [_P, _N, _N, _N, _N, _N, _N, _N, _N, _P, _P, _N, _N, _P]
+    lib.mmferry_patches_u8.restype = lib.mmferry_patches_f32.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled kernel was built and loads."""
+    return _library() is not None
+
+
+def _hwc_strides(frames: torch.Tensor) -> tuple[int, int] | None:
+    """(frame stride, row stride) in bytes when `frames` [F, 3, H, W] uint8 lies in HWC memory."""
+    if frames.dtype != torch.uint8 or frames.device.type != "cpu" or frames.shape[1] != 3:
+        return None
+    sf, sc, sh, sw = frames.stride()
+    if sc != 1 or sw != 3 or sh < 3 * frames.shape[3] or sf < sh * frames.shape[2]:
+        return None
+    return sf, sh
+
+
+def patch_rows(
+    frames: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    group: int,
+    temporal: int,
+    patch: int,
+    merge: int,
+    affine: tuple[torch.Tensor, torch.Tensor] | None,
+    threads: int,
+) -> bool:
+    """Fill `out` (contiguous: uint8 rows when `affine` is None, else float32 rows normalised
+    by `affine` = (scale, shift) per channel) from `frames`; False (nothing written) when the
+    kernel is missing or the frames do not lie in HWC memory."""
+    lib = _library()
+    strides = _hwc_strides(frames)
+    if lib is None or strides is None or not out.is_contiguous():
+        return False
+    f, _, h, w = frames.shape
+    bands = (f // group) * (h // (patch * merge))
+    src, dst = frames.data_ptr(), out.data_ptr()
+    geometry = (src, *strides, h, w, patch, merge, group)
+    if affine is not None:
+        scale, shift = (t.contiguous().float() for t in affine)
+
+        def fill(first: int, last: int) -> None:
+            # NOTE: ctypes releases the GIL for the call, so bands run in parallel.
+            code = lib.mmferry_patches_f32(
+                *geometry, temporal, scale.data_ptr(), shift.data_ptr(), first, last, dst
+            )
+            if code:
+                raise MemoryError("the patch-row kernel could not allocate its band buffer")
+    else:
+
+        def fill(first: int, last: int) -> None:
+            if lib.mmferry_patches_u8(*geometry, first, last, dst):
+                raise MemoryError("the patch-row kernel could not allocate its band buffer")
+
+    run_split(bands, threads, fill)
+    return True

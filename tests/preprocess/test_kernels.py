@@ -1,0 +1,73 @@
+"""The compiled patch-row kernel gives the torch path's rows bit for bit, for every geometry,
+frame grouping, row stride and thread count, and declines frames it cannot read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmferry.preprocess import kernels
+from mmferry.preprocess import patchify as patchify_mod
+from mmferry.preprocess.patchify import norm_affine, patchify
+
+MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+
+
+def test_the_install_built_the_kernel():
+    # `pip install` builds it wherever a C compiler is present, as on every test machine.
+    assert kernels.available()
+
+
+def _hwc_frames(n: int, h: int, w: int, seed: int, pad: int = 0) -> torch.Tensor:
+    """[n, 3, h, w] uint8 views of HWC memory; `pad` extra pixels per row (a crop's stride)."""
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randint(0, 256, (n, h + 1, w + pad, 3), dtype=torch.uint8, generator=g)
+    return full[:, 1:, pad // 2 : pad // 2 + w].permute(0, 3, 1, 2)
+
+
+def _torch_path(monkeypatch, frames, **kw) -> torch.Tensor:
+    with monkeypatch.context() as m:
+        m.setattr(patchify_mod, "patch_rows", lambda *a, **k: False)
+        return patchify(frames, **kw)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize(
+    ("n", "h", "w", "patch", "pad"),
+    [
+        (1, 28, 28, 14, 0),
+        (1, 56, 168, 14, 5),
+        (1, 320, 96, 16, 0),
+        (2, 64, 32, 16, 3),
+        (4, 96, 160, 16, 0),
+        (6, 56, 84, 14, 1),
+    ],
+)
+def test_kernel_equals_torch_path(monkeypatch, n, h, w, patch, pad, threads):
+    frames = _hwc_frames(n, h, w, seed=n * 100 + h + w, pad=pad)
+    assert kernels._hwc_strides(frames) is not None  # the kernel path is the one taken
+    image = n == 1
+    kw = dict(image=image, patch=patch, merge=2, temporal=2, mean=MEAN, std=STD, threads=threads)
+    for layout in ("hf", "compact-u8"):
+        got = patchify(frames, layout=layout, **kw)
+        want = _torch_path(monkeypatch, frames, layout=layout, **kw)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want), (layout, n, h, w, patch, pad)
+
+
+def test_kernel_declines_what_it_cannot_read():
+    planar = torch.zeros(1, 3, 32, 32, dtype=torch.uint8)  # CHW memory, not HWC
+    hwc = planar.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    out = torch.full((4, 3 * 16 * 16), 7, dtype=torch.uint8)
+    geometry = dict(group=1, temporal=1, patch=16, merge=2, affine=None, threads=1)
+    assert not kernels.patch_rows(planar, out, **geometry)
+    assert not kernels.patch_rows(hwc.float(), out, **geometry)
+    assert not kernels.patch_rows(hwc, out.t(), **geometry)  # output not contiguous
+    assert (out == 7).all()
+    assert kernels.patch_rows(hwc, out, **geometry)
+    assert (out == 0).all()
+    rows = torch.empty(4, 3 * 2 * 16 * 16)
+    affine = norm_affine(MEAN, STD)
+    assert kernels.patch_rows(hwc, rows, **{**geometry, "temporal": 2, "affine": affine})
+    shift = affine[1].view(1, 3, 1, 1).expand(4, 3, 2, 256)
+    assert torch.equal(rows.view(4, 3, 2, 256), shift)  # black pixels: the shift alone
