@@ -40,7 +40,7 @@ class DecodedImage:
     # [3, H, W] uint8; may be a strided view (e.g. of an HWC array), never copied needlessly.
     pixels: torch.Tensor
     # Encoded sources: the parts hashed (with the settings) to name the item, see hashing.py.
-    # None for decoded sources (PIL, arrays): their key covers the resized pixels instead.
+    # None for decoded sources (PIL, arrays): their key covers their pixels instead (image.py).
     identity: tuple[bytes | memoryview, ...] | None
 
 
@@ -279,7 +279,7 @@ def decode_image(source: Any, max_pixels: int) -> DecodedImage:
         if source.width * source.height > max_pixels:
             raise ValueError(f"image {name} exceeds max_decoded_pixels={max_pixels}")
         # NOTE: no identity: orientation and a transparency key change the upright pixels,
-        # so the key is taken over the resized upright pixels (image.py), which covers both.
+        # so the key is taken over the upright pixels (image.py), which covers both.
         return DecodedImage(_pil_to_chw(_upright(source), name), None)
     data = read_source_bytes(source)
     if data is None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import ExitStack
 from functools import partial
 from typing import Any
 
+import torch
+
 from mmferry.config import ProcessorConfig
 from mmferry.items import LAYOUTS, Layout, MultimodalItem
-from mmferry.preprocess.decode import as_batch, decode_image, pixels_identity
+from mmferry.preprocess.decode import DecodedImage, as_batch, decode_image, pixels_identity
 from mmferry.preprocess.hashing import identity_nbytes, item_hash
 from mmferry.preprocess.patchify import patchify, resize_u8
 from mmferry.preprocess.resize import smart_resize
@@ -17,6 +21,24 @@ from mmferry.preprocess.threads import (
     preprocess_threads,
     threads_for,
 )
+
+
+def _pixel_key(pixels: torch.Tensor, kind: bytes, cfg: ProcessorConfig) -> Callable[[], str]:
+    """The item hash over HWC pixels; any contiguous copy is made where it runs."""
+    return lambda: item_hash("image", pixels_identity(pixels, kind), cfg)
+
+
+def _early_key(
+    decoded: DecodedImage, resized_pixels: int, cfg: ProcessorConfig
+) -> tuple[Callable[[], str] | None, int]:
+    """The key that needs no resize, and the bytes it reads; None for the key when the resized
+    pixels are fewer than the source's (then those are hashed)."""
+    if decoded.identity is not None:
+        return partial(item_hash, "image", decoded.identity, cfg), identity_nbytes(decoded.identity)
+    source = decoded.pixels.permute(1, 2, 0)  # [H, W, 3]
+    if source.numel() <= resized_pixels:
+        return _pixel_key(source, b"upright-hwc-u8", cfg), source.numel()
+    return None, 0
 
 
 def check_layout(layout: str) -> None:
@@ -39,17 +61,21 @@ def process_image(
         min_pixels=cfg.image_min_pixels,
         max_pixels=cfg.image_max_pixels,
     )
-    with intra_op_threads(threads_for(3 * new_h * new_w, threads)):
-        resized = resize_u8(as_batch(decoded.pixels), new_h, new_w)  # [1, 3, new_h, new_w]
-    identity = decoded.identity
-    if identity is None:
-        # NOTE: decoded sources are keyed by their resized uint8 pixels, what every layout is
-        # built from: never more bytes than the source, hashed in place without a copy.
-        identity = pixels_identity(resized[0].permute(1, 2, 0), b"resized-hwc-u8")
-    # NOTE: the hash reads `resized` while patchify gathers from it (both only read it): a
-    # 12 MP item's hash is a tenth of the call, hidden behind the gather (threads.py).
-    hash_item = partial(item_hash, "image", identity, cfg)
-    with alongside(hash_item, identity_nbytes(identity)) as digest:
+    # NOTE: the key covers the encoded bytes where there are any, else the smaller of the
+    # upright source pixels and the resized pixels, hashed in place (no copy of contiguous
+    # pixels). A hash that does not need the resize starts before it, on one extra thread
+    # (threads.py), and runs beside the resize and the gather, which only read the same memory.
+    early, early_bytes = _early_key(decoded, 3 * new_h * new_w, cfg)
+    with ExitStack() as stack:
+        digest = None
+        if early is not None:
+            digest = stack.enter_context(alongside(early, early_bytes))
+        with intra_op_threads(threads_for(3 * new_h * new_w, threads)):
+            resized = resize_u8(as_batch(decoded.pixels), new_h, new_w)  # [1, 3, new_h, new_w]
+        if digest is None:
+            hwc = resized[0].permute(1, 2, 0)
+            late = _pixel_key(hwc, b"resized-hwc-u8", cfg)
+            digest = stack.enter_context(alongside(late, hwc.numel()))
         feature = patchify(
             resized,
             image=True,

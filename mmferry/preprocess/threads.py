@@ -3,17 +3,20 @@
 NOTE: on a shared host, torch's intra-op pool hurts small and fine-grained work: its workers
 spin at every op's barrier and a descheduled worker stalls the op (a 0.7 ms resize took
 20-30 ms with two threads on a loaded 2-core host). So preprocessing runs small items on one
-thread, splits large gathers into a few coarse ranges on plain Python threads (torch ops
-release the GIL), and gives the resize, one large op, the intra-op threads.
+thread, splits large gathers into a few coarse ranges of bands on plain Python threads (torch
+ops and the compiled kernel release the GIL), and gives the resize, one large op, the intra-op
+threads.
 
 The count is the `threads=` argument of `process_image` / `process_video`, else the
 `MMFERRY_PREPROCESS_THREADS` environment variable, else 1. One is the measured default for
 shared hosts: on a shared 2-core host, two threads ran the 16-image benchmark at 0.87-1.41x
 the speed of one (medians of two runs, BENCHMARKS.md), a gain only while the other tenants
-left a core free. On a dedicated host, set the count to its free cores.
+left a core free, and at 0.91-0.95x once the compiled kernel made the gather cheap. On a
+dedicated host, set the count to its free cores.
 
 One exception, whatever the count: a large item's hash (`alongside`) runs on one extra thread
-while its patchify gather runs, then is joined before the item is returned. It is one coarse
+beside its resize (when the key does not need the resize) and its patchify gather, then is
+joined before the item is returned. It is one coarse
 task with no barrier to spin at (hashlib releases the GIL for the whole buffer), so a
 descheduled hash thread delays only the join, never the gather; items under
 `PARALLEL_MIN_BYTES` are hashed inline, and no thread outlives the call.

@@ -179,7 +179,7 @@ def test_seeking_video_item_matches_transformers(tmp_path):
 
 
 def test_pixel_sources_are_keyed_without_copies(monkeypatch):
-    """PIL and array sources are hashed over their resized pixels, in place: no `tobytes`,
+    """PIL and array sources are hashed over their pixels, in place: no `tobytes`,
     the same key for the same pixels whatever the source kind, and layout-independent."""
 
     def no_tobytes(self, *args, **kwargs):

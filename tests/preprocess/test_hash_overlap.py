@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from mmferry.config import preset
 from mmferry.preprocess import image as image_mod
@@ -48,20 +49,36 @@ def _recording(monkeypatch: pytest.MonkeyPatch, module: object) -> list[str]:
 
 
 @pytest.mark.parametrize("layout", ["hf", "compact-u8"])
-def test_image_hash_overlapped_equals_inline(monkeypatch, layout):
-    rgb = gradient(96, 160, seed=5)
+@pytest.mark.parametrize(
+    ("size", "max_pixels", "kind"),
+    [
+        ((320, 416), None, b"upright-hwc-u8"),  # kept at its size: the source is hashed
+        ((150, 250), None, b"upright-hwc-u8"),  # grows to 160x256: the smaller source
+        ((600, 800), 320 * 416, b"resized-hwc-u8"),  # shrinks: the smaller resized pixels
+    ],
+)
+def test_image_hash_overlapped_equals_inline(monkeypatch, layout, size, max_pixels, kind):
+    cfg = CFG if max_pixels is None else CFG.replace(image_max_pixels=max_pixels)
+    rgb = gradient(*size, seed=5)
     names = _recording(monkeypatch, image_mod)
     monkeypatch.setattr(threads_mod, "PARALLEL_MIN_BYTES", 1 << 62)
-    inline = process_image(rgb, CFG, layout=layout)
+    inline = process_image(rgb, cfg, layout=layout)
     monkeypatch.setattr(threads_mod, "PARALLEL_MIN_BYTES", 0)
-    overlapped = process_image(rgb, CFG, layout=layout)
+    overlapped = process_image(rgb, cfg, layout=layout)
     assert names[0] == threading.current_thread().name and names[1].startswith(PREFIX)
-    # The same bytes in the same order as a plain hash of the resized HWC pixels.
+    # The same bytes in the same order as a plain hash of the smaller of the source and the
+    # resized pixels (HWC), tagged with which it is.
     h, w = smart_resize(
-        96, 160, factor=CFG.factor, min_pixels=CFG.image_min_pixels, max_pixels=CFG.image_max_pixels
+        *size, factor=cfg.factor, min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels
     )
-    resized = resize_u8(as_batch(decode_image(rgb, CFG.max_decoded_pixels).pixels), h, w)
-    plain = item_hash("image", pixels_identity(resized[0].permute(1, 2, 0), b"resized-hwc-u8"), CFG)
+    if kind == b"upright-hwc-u8":
+        assert size[0] * size[1] <= h * w
+        pixels = torch.from_numpy(rgb)
+    else:
+        assert size[0] * size[1] > h * w
+        decoded = decode_image(rgb, cfg.max_decoded_pixels).pixels
+        pixels = resize_u8(as_batch(decoded), h, w)[0].permute(1, 2, 0)
+    plain = item_hash("image", pixels_identity(pixels, kind), cfg)
     assert inline.hash == overlapped.hash == plain
     assert (inline.feature == overlapped.feature).all()
     assert not _hash_threads()
