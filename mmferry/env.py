@@ -29,8 +29,8 @@ class Env:
         """The settings in `environ` (default: this process's environment)."""
         env = os.environ if environ is None else environ
         return cls(
-            preprocess_threads=_positive_int(env, f"{PREFIX}PREPROCESS_THREADS"),
-            host_cache_mb=_count(env, f"{PREFIX}HOST_CACHE_MB", 2048),
+            preprocess_threads=_int(env, f"{PREFIX}PREPROCESS_THREADS", None, 1),
+            host_cache_mb=_int(env, f"{PREFIX}HOST_CACHE_MB", 2048, 0) or 0,
             api_key=env.get(f"{PREFIX}API_KEY") or None,
             world_size=int(env.get("WORLD_SIZE", "1")),
             rank=int(env.get("RANK", "0")),
@@ -38,27 +38,16 @@ class Env:
         )
 
 
-def _positive_int(env: Mapping[str, str], name: str) -> int | None:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
-    return value
-
-
-def _count(env: Mapping[str, str], name: str, default: int) -> int:
+def _int(env: Mapping[str, str], name: str, default: int | None, least: int) -> int | None:
+    """The integer `name` holds (at least `least`), or `default` when it is unset or blank."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
         value = int(raw)
     except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{name} must be a whole number (0 or more), got {raw!r}")
+        value = least - 1
+    if value < least:
+        what = "a positive integer" if least == 1 else f"an integer of at least {least}"
+        raise ValueError(f"{name} must be {what}, got {raw!r}")
     return value
