@@ -8,8 +8,10 @@ baseline is the same FastAPI + uvicorn serving transformers the obvious way: per
 Checked before any figure: zero errors; every response's grid, token count and hash equal an
 in-process preprocess of its image; every response equals the first one for its image; mmferry
 equals transformers per image within a stated tolerance; the server's RSS at the 200th response
-is within 5% of the RSS at the 50th. Figures: requests/s and p50/p99 latency (one run each).
---quick cuts the tower to 1 layer (the full 24-layer tower takes about an hour on 2 CPUs).
+is within 5% of the RSS at the 50th. Figures: requests/s and p50/p99 latency, the median and
+spread over 5 rounds; each round runs every server once, the order rotating.
+--quick cuts the tower to 1 layer (about 2 minutes a round on 2 quiet CPUs; the full 24-layer
+tower takes hours for 5 rounds).
 
 Run: python -m bench.load [--quick] [--json FILE]
 """
@@ -37,6 +39,7 @@ from bench import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUESTS, CONCURRENCY, DISTINCT, FIRST_SEEN_BY = 200, 16, 24, 50
+ROUNDS = harness.MIN_ROUNDS
 SIZES = [(256, 256), (320, 240), (240, 320), (384, 256)]
 # mmferry vs transformers after the tower, same weights. Images that keep their size agree to
 # about 6e-6 (float32 sums in another order). Resized ones differ by one uint8 level in a few
@@ -169,7 +172,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run(report: harness.Report, quick: bool) -> None:
-    """Three servers, one load run each; checks first, then the figures."""
+    """Three servers, one load run each per round, the order rotating; checks first on every
+    run, then the figures (median and spread over the rounds)."""
     import mmferry as mf
 
     depth = ["--depth", "1"] if quick else []
@@ -177,39 +181,40 @@ def run(report: harness.Report, quick: bool) -> None:
     proc = mf.Processor.for_model("qwen3-vl")
     expected = [proc.image(d, "compact-u8") for d in datas]
     serve = [sys.executable, "-m", "mmferry", "serve", "--port", "0", *depth]
-    base_cmd = [sys.executable, "-m", "bench.load", "--serve-baseline", *depth]
-    runs = {
-        "batching on": measure("batching on", serve, datas, seq),
-        "batching off": measure("batching off", [*serve, "--no-batching"], datas, seq),
-        "transformers": measure("transformers", base_cmd, datas, seq),
+    servers = {
+        "batching on": serve,
+        "batching off": [*serve, "--no-batching"],
+        "transformers": [sys.executable, "-m", "bench.load", "--serve-baseline", *depth],
     }
-    for name, r in runs.items():
-        check(name, r, seq, expected, hashes=name != "transformers")
-    base = runs["transformers"]
+    names = list(servers)
+    runs: dict[str, list[Run]] = {name: [] for name in names}
     worst = 0.0
-    for i, (got,) in base.responses.items():
-        (ours,) = runs["batching on"].responses[i]
-        harness.check_equal(
-            f"transformers vs mmferry, request {i}", ours.embeds, got.embeds, atol=TOLERANCE
-        )
-        worst = max(worst, (ours.embeds - got.embeds).abs().max().item())
+    for r in range(ROUNDS):
+        print(f"round {r + 1} of {ROUNDS}", flush=True)
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            got = measure(name, servers[name], datas, seq)
+            check(name, got, seq, expected, hashes=name != "transformers")
+            runs[name].append(got)
+        worst = max(worst, _agreement(runs["batching on"][-1], runs["transformers"][-1]))
+        for name in names:  # the responses are checked; keep only the timings
+            runs[name][-1].responses.clear()
     tower = "1-layer qwen3-vl tower (--quick)" if quick else "24-layer qwen3-vl tower"
     print(
         f"{REQUESTS} requests, concurrency {CONCURRENCY}, {DISTINCT} distinct images, {tower}; "
         f"max |mmferry - transformers| {worst:.2e} (allowed {TOLERANCE})"
     )
+    base = runs["transformers"]
     for name in ("batching on", "batching off"):
-        r = runs[name]
-        note = (
-            f"one run; RSS {r.rss_50 / 2**20:.0f} MiB at request 50, "
-            f"{r.rss_end / 2**20:.0f} MiB at {REQUESTS}"
-        )
+        ours = runs[name]
+        rss = max(r.rss_end for r in ours)
+        note = f"RSS at most {rss / 2**20:.0f} MiB, within 5% from request 50 to {REQUESTS}"
         report.add(
             harness.Figure.of_values(
                 f"requests/s, {name}",
                 "transformers",
-                REQUESTS / base.wall_s,
-                REQUESTS / r.wall_s,
+                [REQUESTS / r.wall_s for r in base],
+                [REQUESTS / r.wall_s for r in ours],
                 unit="req/s",
                 higher_is_better=True,
                 note=note,
@@ -220,11 +225,23 @@ def run(report: harness.Report, quick: bool) -> None:
                 harness.Figure.of_values(
                     f"p{q} latency, {name}",
                     "transformers",
-                    _pct(base.latencies, q),
-                    _pct(r.latencies, q),
+                    [_pct(r.latencies, q) for r in base],
+                    [_pct(r.latencies, q) for r in ours],
                     unit="ms",
                 )
             )
+
+
+def _agreement(ours: Run, base: Run) -> float:
+    """Largest difference between mmferry's and transformers' rows, checked per request."""
+    worst = 0.0
+    for i, (got,) in base.responses.items():
+        (mine,) = ours.responses[i]
+        harness.check_equal(
+            f"transformers vs mmferry, request {i}", mine.embeds, got.embeds, atol=TOLERANCE
+        )
+        worst = max(worst, (mine.embeds - got.embeds).abs().max().item())
+    return worst
 
 
 def serve_baseline(depth: int | None) -> int:

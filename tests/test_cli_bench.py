@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import harness
 from mmferry.commands.bench import available, bench_root
 
@@ -66,3 +68,29 @@ def test_unknown_name_lists_the_real_ones():
     )
     assert p.returncode == 2
     assert "unknown benchmark 'transport-x'" in p.stderr and "load" in p.stderr
+
+
+def test_interleave_rotates_the_order_and_counts_every_round():
+    calls: list[str] = []
+
+    def side(name: str):
+        def run() -> float:
+            calls.append(name)
+            return float(len(calls))
+
+        return run
+
+    times = harness.interleave({k: side(k) for k in "abc"}, rounds=5, warmup=1)
+    assert calls[:3] == ["a", "b", "c"]  # the warm-up, left out of the times
+    rounds = [calls[3 + 3 * r : 6 + 3 * r] for r in range(5)]
+    assert rounds[0] == ["a", "b", "c"] and rounds[1] == ["b", "c", "a"]
+    assert rounds[2] == ["c", "a", "b"] and rounds[3] == rounds[0]
+    assert {k: len(v) for k, v in times.items()} == {"a": 5, "b": 5, "c": 5}
+    assert times["b"][1] == 7.0  # round 2 ran b first: the seventh call in all
+    with pytest.raises(ValueError, match="at least 5 rounds"):
+        harness.interleave({"a": side("a")}, rounds=2)
+
+
+def test_timed_returns_the_seconds_of_one_call():
+    seconds = harness.timed(lambda: sum(range(10_000)))()
+    assert 0.0 < seconds < 5.0

@@ -1,4 +1,4 @@
-"""Output buffers for large features: huge-page backed, and reused once their tensors are freed.
+"""Large preprocessing buffers: huge-page backed, and reused once their tensors are freed.
 
 A fresh 100+ MB tensor costs more in first-touch page faults than in the arithmetic that fills
 it (a 4000x3000 image's hf features are ~290 MB). Private anonymous mappings advised with
@@ -8,10 +8,10 @@ faster; on a virtual machine even those faults are slow and vary tenfold from ca
 
 So a buffer whose tensors have all been freed goes to a small cache and the next request of a
 fitting size gets it back with its pages already present, as jemalloc and tcmalloc keep freed
-pages for reuse. The cache is bounded three ways:
-- in bytes (`MMFERRY_HOST_CACHE_MB`, default 2048; 0 turns it off);
-- in time: buffers idle for `IDLE_SECONDS` are released, by a timer while any are held.
-Over the limit, the least recently freed go first. The cache can add at most its limit to the
+pages for reuse. The cache is bounded two ways:
+- in bytes (`MMFERRY_HOST_CACHE_MB`, default 2048; 0 turns it off): over the limit, the least
+  recently freed go first;
+- in time: buffers idle for `IDLE_SECONDS` are released, by a timer while any are held. The cache can add at most its limit to the
 process's peak memory, and only buffers that were already in use a moment before.
 `release_host_cache()` empties it at once. The tensor holds its mapping alive; only when the
 last view of it is gone can the mapping be handed out again.
