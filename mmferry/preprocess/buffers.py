@@ -11,8 +11,9 @@ fitting size gets it back with its pages already present, as jemalloc and tcmall
 pages for reuse. The cache is bounded two ways:
 - in bytes (`MMFERRY_HOST_CACHE_MB`, default 2048; 0 turns it off): over the limit, the least
   recently freed go first;
-- in time: buffers idle for `IDLE_SECONDS` are released, by a timer while any are held. The cache can add at most its limit to the
-process's peak memory, and only buffers that were already in use a moment before.
+- in time: buffers idle for `IDLE_SECONDS` are released, by a timer while any are held.
+The cache can add at most its limit to the process's peak memory, and only buffers that were
+already in use a moment before.
 `release_host_cache()` empties it at once. The tensor holds its mapping alive; only when the
 last view of it is gone can the mapping be handed out again.
 """

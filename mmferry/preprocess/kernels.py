@@ -2,8 +2,9 @@
 
 `pip install` compiles it where a C compiler is present (it is an optional extension); without
 it, `patch_rows` answers None and patchify.py uses its torch path, which gives the same rows.
-The kernel reads RGB frames in HWC memory (pixel stride 3, channel stride 1, rows of any
-stride), which is what the resize writes; other strides take the torch path too.
+The kernel reads RGB frames in HWC memory (pixel stride 3, or 4 with the 4th byte unused;
+channel stride 1; rows of any stride), which is what the resize writes; other strides take
+the torch path.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(spec.origin)
     except OSError:
         return None
-    lib.mmferry_patches_u8.argtypes = [_P, _N, _N, _N, _N, _N, _N, _N, _N, _N, _P]
-    lib.mmferry_patches_f32.argtypes = [_P, _N, _N, _N, _N, _N, _N, _N, _N, _P, _P, _N, _N, _P]
+    lib.mmferry_patches_u8.argtypes = [_P, _N, _N, _N, _N, _N, _N, _N, _N, _N, _N, _P]
+    lib.mmferry_patches_f32.argtypes = [_P, _N, _N, _N, _N, _N, _N, _N, _N, _N, _P, _P, _N, _N, _P]
     lib.mmferry_patches_u8.restype = lib.mmferry_patches_f32.restype = ctypes.c_int
     return lib
 
@@ -40,14 +41,15 @@ def available() -> bool:
     return _library() is not None
 
 
-def _hwc_strides(frames: torch.Tensor) -> tuple[int, int] | None:
-    """(frame stride, row stride) in bytes when `frames` [F, 3, H, W] uint8 lies in HWC memory."""
+def _hwc_strides(frames: torch.Tensor) -> tuple[int, int, int] | None:
+    """(frame, row, pixel) strides in bytes when `frames` [F, 3, H, W] uint8 lies in HWC memory
+    of 3 bytes a pixel, or 4 (RGBX, the 4th unused)."""
     if frames.dtype != torch.uint8 or frames.device.type != "cpu" or frames.shape[1] != 3:
         return None
     sf, sc, sh, sw = frames.stride()
-    if sc != 1 or sw != 3 or sh < 3 * frames.shape[3] or sf < sh * frames.shape[2]:
+    if sc != 1 or sw not in (3, 4) or sh < sw * frames.shape[3] or sf < sh * frames.shape[2]:
         return None
-    return sf, sh
+    return sf, sh, sw
 
 
 def patch_rows(

@@ -26,6 +26,11 @@ def resize_u8(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """
     if tuple(frames.shape[-2:]) == (height, width):
         return frames
+    rgbx = _rgbx_view(frames)
+    if rgbx is not None:
+        # RGB in 4-byte pixels (a decoded JPEG, see decode.py): resize all four channels, which
+        # is torch's native layout for this kernel, and hand on the RGB view.
+        return resize_u8(rgbx, height, width)[:, :3]
     f, c, h, w = frames.shape
     if not frames.is_contiguous(memory_format=torch.channels_last):
         hwc = empty_host((f, h, w, c), torch.uint8).permute(0, 3, 1, 2)
@@ -42,6 +47,18 @@ def resize_u8(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 
 _upsample_aa = getattr(torch._C._nn, "_upsample_bicubic2d_aa", None)
+
+
+def _rgbx_view(frames: torch.Tensor) -> torch.Tensor | None:
+    """[F, 4, H, W] channels-last over the same memory when `frames` [F, 3, H, W] is the RGB
+    part of contiguous 4-byte pixels; else None."""
+    f, c, h, w = frames.shape
+    if c != 3 or frames.stride() != (4 * h * w, 1, 4 * w, 4):
+        return None
+    end = frames.storage_offset() + 4 * f * h * w
+    if end > frames.untyped_storage().nbytes():
+        return None
+    return frames.as_strided((f, 4, h, w), (4 * h * w, 1, 4 * w, 4))
 
 
 def _patch_view(frames: torch.Tensor, temporal: int, patch: int, merge: int) -> torch.Tensor:

@@ -47,8 +47,9 @@ def _sources(rgb: np.ndarray) -> dict[str, object]:
 
 
 def test_resize_is_channels_last_and_bit_identical(monkeypatch):
-    """Every source kind: the resize input is channels-last (torch's fast uint8 kernel) and
-    the output equals today's formula, the resize of `pixels.unsqueeze(0)`."""
+    """Every source kind: the resize input is channels-last (torch's fast uint8 kernel), or
+    4-byte pixels for a JPEG, and the output equals today's formula, the resize of
+    `pixels.unsqueeze(0)`."""
     real = image_mod.resize_u8
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -68,6 +69,12 @@ def test_resize_is_channels_last_and_bit_identical(monkeypatch):
             pixels.unsqueeze(0), size=out.shape[-2:], mode="bicubic", antialias=True
         )
         assert torch.equal(out, old), key
+        if key == "jpeg":
+            # Decoded into 4-byte pixels (decode.py): resized as four channels-last channels.
+            for t in (frames, out):
+                _, _, h, w = t.shape
+                assert t.stride() == (4 * h * w, 1, 4 * w, 4), key
+            continue
         assert out.is_contiguous(memory_format=torch.channels_last), key
         if key not in ("chw-tensor", "hwc-gray", "png-gray"):  # no HWC memory to view
             assert frames.is_contiguous(memory_format=torch.channels_last), key
@@ -243,3 +250,26 @@ def test_strided_arrays_give_the_item_of_their_contiguous_copy():
             want = process_image(np.ascontiguousarray(view), CFG, layout=layout)
             assert torch.equal(got.feature, want.feature), (name, layout)
             assert got.hash == want.hash, (name, layout)
+
+
+def test_jpeg_decodes_into_four_byte_pixels_with_the_same_result():
+    """An upright RGB JPEG is decoded straight into mmferry's 4-byte-pixel buffer: the same
+    pixels as Pillow's own decode, and the same rows as the decoded array gives, in both
+    layouts. A turned JPEG and a PNG take the portable path."""
+    rgb = gradient(300, 400, 11)
+    data = encode(Image.fromarray(rgb), "JPEG")
+    decoded = decode_image(data, CFG.max_decoded_pixels).pixels
+    assert decoded.stride() == (1, 4 * 400, 4)  # the 4-byte path was taken
+    pillow = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    assert torch.equal(decoded, torch.from_numpy(pillow).permute(2, 0, 1))
+    for layout in ("hf", "compact-u8"):
+        got = process_image(data, CFG, layout=layout).feature
+        assert torch.equal(got, process_image(pillow.copy(), CFG, layout=layout).feature)
+    im = Image.fromarray(rgb)
+    exif = im.getexif()
+    exif[0x0112] = 6  # turned: exif_transpose makes a new image
+    turned = encode(im, "JPEG", exif=exif.tobytes())
+    upright = decode_image(turned, CFG.max_decoded_pixels).pixels
+    assert upright.shape == (3, 400, 300) and upright.stride()[-1] == 3
+    png = decode_image(encode(im, "PNG"), CFG.max_decoded_pixels).pixels
+    assert png.stride()[-1] == 3

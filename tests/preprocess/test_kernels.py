@@ -18,11 +18,12 @@ def test_the_install_built_the_kernel():
     assert kernels.available()
 
 
-def _hwc_frames(n: int, h: int, w: int, seed: int, pad: int = 0) -> torch.Tensor:
-    """[n, 3, h, w] uint8 views of HWC memory; `pad` extra pixels per row (a crop's stride)."""
+def _hwc_frames(n: int, h: int, w: int, seed: int, pad: int = 0, pixel: int = 3) -> torch.Tensor:
+    """[n, 3, h, w] uint8 views of HWC memory of `pixel` bytes a pixel; `pad` extra pixels per
+    row (a crop's stride)."""
     g = torch.Generator().manual_seed(seed)
-    full = torch.randint(0, 256, (n, h + 1, w + pad, 3), dtype=torch.uint8, generator=g)
-    return full[:, 1:, pad // 2 : pad // 2 + w].permute(0, 3, 1, 2)
+    full = torch.randint(0, 256, (n, h + 1, w + pad, pixel), dtype=torch.uint8, generator=g)
+    return full[:, 1:, pad // 2 : pad // 2 + w, :3].permute(0, 3, 1, 2)
 
 
 def _torch_path(monkeypatch, frames, **kw) -> torch.Tensor:
@@ -31,6 +32,7 @@ def _torch_path(monkeypatch, frames, **kw) -> torch.Tensor:
         return patchify(frames, **kw)
 
 
+@pytest.mark.parametrize("pixel", [3, 4])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(
     ("n", "h", "w", "patch", "pad"),
@@ -43,8 +45,8 @@ def _torch_path(monkeypatch, frames, **kw) -> torch.Tensor:
         (6, 56, 84, 14, 1),
     ],
 )
-def test_kernel_equals_torch_path(monkeypatch, n, h, w, patch, pad, threads):
-    frames = _hwc_frames(n, h, w, seed=n * 100 + h + w, pad=pad)
+def test_kernel_equals_torch_path(monkeypatch, n, h, w, patch, pad, threads, pixel):
+    frames = _hwc_frames(n, h, w, seed=n * 100 + h + w, pad=pad, pixel=pixel)
     assert kernels._hwc_strides(frames) is not None  # the kernel path is the one taken
     image = n == 1
     kw = dict(image=image, patch=patch, merge=2, temporal=2, mean=MEAN, std=STD, threads=threads)
@@ -52,7 +54,7 @@ def test_kernel_equals_torch_path(monkeypatch, n, h, w, patch, pad, threads):
         got = patchify(frames, layout=layout, **kw)
         want = _torch_path(monkeypatch, frames, layout=layout, **kw)
         assert got.dtype == want.dtype and got.shape == want.shape
-        assert torch.equal(got, want), (layout, n, h, w, patch, pad)
+        assert torch.equal(got, want), (layout, n, h, w, patch, pad, pixel)
 
 
 def test_kernel_declines_what_it_cannot_read():
