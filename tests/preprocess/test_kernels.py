@@ -73,3 +73,25 @@ def test_kernel_declines_what_it_cannot_read():
     assert kernels.patch_rows(hwc, rows, **{**geometry, "temporal": 2, "affine": affine})
     shift = affine[1].view(1, 3, 1, 1).expand(4, 3, 2, 256)
     assert torch.equal(rows.view(4, 3, 2, 256), shift)  # black pixels: the shift alone
+
+
+def test_rgb_in_four_byte_pixels_resizes_like_packed_rgb():
+    """RGB views of 4-byte pixels resize as four channels (the same RGB bits as packed RGB);
+    a view whose storage ends before the last pixel's 4th byte is not widened past it."""
+    g = torch.Generator().manual_seed(4)
+    h, w = 61, 83
+    full = torch.randint(0, 256, (4 * h * w,), dtype=torch.uint8, generator=g)
+    for storage in (full, full[:-1].clone()):  # room for the 4th byte, then not
+        rgb = storage.as_strided((1, 3, h, w), (4 * h * w, 1, 4 * w, 4))
+        packed = rgb.contiguous(memory_format=torch.channels_last)
+        for size in ((64, 96), (32, 32), (h, w)):
+            got = patchify_mod.resize_u8(rgb, *size)
+            assert torch.equal(got, patchify_mod.resize_u8(packed, *size)), size
+    assert (
+        patchify_mod._rgbx_view(
+            full[:-1].clone().as_strided((1, 3, h, w), (4 * h * w, 1, 4 * w, 4))
+        )
+        is None
+    )
+    widened = patchify_mod._rgbx_view(full.as_strided((1, 3, h, w), (4 * h * w, 1, 4 * w, 4)))
+    assert widened is not None and widened.is_contiguous(memory_format=torch.channels_last)
