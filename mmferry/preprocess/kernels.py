@@ -1,7 +1,7 @@
 """The compiled one-pass patch-row kernel (`_patches.c`), when it was built.
 
 `pip install` compiles it where a C compiler is present (it is an optional extension); without
-it, `patch_rows` answers None and patchify.py uses its torch path, which gives the same rows.
+it, `patch_rows` returns False and patchify.py uses its torch path, which gives the same rows.
 The kernel reads RGB frames in HWC memory (pixel stride 3, or 4 with the 4th byte unused;
 channel stride 1; rows of any stride), which is what the resize writes; other strides take
 the torch path.

@@ -161,12 +161,12 @@ def _hf_rows(
     gt = f // group
     out = empty_host((gt * a, b, m, m, c, temporal, p * p), torch.float32)
     n_threads = threads_for(out.nbytes, threads)
+    affine = norm_affine(mean, std)
     geometry = dict(group=group, temporal=temporal, patch=p, merge=m)
-    if patch_rows(frames, out, **geometry, affine=norm_affine(mean, std), threads=n_threads):
+    if patch_rows(frames, out, **geometry, affine=affine, threads=n_threads):
         return out
     step = max(1, min(b, _HF_STEP // (group * c * band * band)))  # merge blocks per step
-    scale, shift = norm_affine(mean, std)
-    scale, shift = scale.view(1, c, 1, 1), shift.view(1, c, 1, 1)
+    scale, shift = (t.view(1, c, 1, 1) for t in affine)
 
     def fill(start: int, stop: int) -> None:
         slab = torch.empty((group, c, band, step * band), dtype=torch.float32)
