@@ -118,23 +118,18 @@ def compare(
     """
     if len(runs) != 2:
         raise ValueError("compare takes exactly two runs: the baseline, then mmferry")
-    if rounds < MIN_ROUNDS:
-        raise ValueError(f"at least {MIN_ROUNDS} rounds make a figure, got {rounds}")
     (base_name, base_fn), (_, ours_fn) = runs.items()
-    for _ in range(warmup):
-        base_fn()
-        ours_fn()
-    sync()
-    times: dict[str, list[float]] = {"base": [], "ours": []}
-    for r in range(rounds):
-        # NOTE: alternate who goes first, so a cache warmed (or evicted) by one side does not
-        # always favour the same side.
-        order = [("base", base_fn), ("ours", ours_fn)]
-        for side, fn in order if r % 2 == 0 else order[::-1]:
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[side].append(time.perf_counter() - t0)
+
+    def synced(fn: Callable[[], object]) -> Callable[[], object]:
+        return lambda: (fn(), sync())
+
+    # NOTE: two sides rotate by alternating who goes first, so a cache warmed (or evicted) by
+    # one side does not always favour the same side.
+    times = interleave(
+        {"base": timed(synced(base_fn)), "ours": timed(synced(ours_fn))},
+        rounds=rounds,
+        warmup=warmup,
+    )
     if unit == "ms":
         return Figure(label, base_name, times["base"], times["ours"], "ms", note=note)
     rate = lambda ts: [per / t for t in ts]  # noqa: E731
@@ -154,14 +149,18 @@ def interleave(
     for _ in range(warmup):
         for fn in runners.values():
             fn()
-    names = list(runners)
-    times: dict[str, list[float]] = {k: [] for k in names}
+    times: dict[str, list[float]] = {k: [] for k in runners}
     for r in range(rounds):
-        # NOTE: the order rotates each round, so load and cache effects hit every side.
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(list(runners), r):
             times[name].append(runners[name]())
     return times
+
+
+def rotated(names: list[str], round_index: int) -> list[str]:
+    """The order of the sides in round `round_index`: rotated by one each round, so load and
+    cache effects hit every side alike."""
+    shift = round_index % len(names)
+    return names[shift:] + names[:shift]
 
 
 def timed(fn: Callable[[], object]) -> Callable[[], float]:

@@ -191,8 +191,7 @@ def run(report: harness.Report, quick: bool) -> None:
     worst = 0.0
     for r in range(ROUNDS):
         print(f"round {r + 1} of {ROUNDS}", flush=True)
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in harness.rotated(names, r):
             got = measure(name, servers[name], datas, seq)
             check(name, got, seq, expected, hashes=name != "transformers")
             runs[name].append(got)

@@ -176,14 +176,9 @@ def _rank_main(rank: int, world: int, init: str, quick: bool, rounds: int, out: 
             dist.barrier()
 
         with torch.inference_mode():
-            sharded(), single()  # warm-up
-            times: dict[str, list[float]] = {"single": [], "sharded": []}
-            for r in range(rounds):
-                order = [("single", single), ("sharded", sharded)]
-                for name, fn in order if r % 2 == 0 else order[::-1]:
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
+            # Every rank runs the same deterministic order, so the barriers line up.
+            runners = {"single": harness.timed(single), "sharded": harness.timed(sharded)}
+            times = harness.interleave(runners, rounds=rounds)
         if rank == 0:
             with open(out, "w") as f:
                 f.write(repr(times))
