@@ -20,10 +20,9 @@ import dataclasses
 import torch
 
 from bench import harness
-from mmferry.config import preset
 from mmferry.encoder.model import VisionEncoder
 from mmferry.items import MultimodalItem
-from mmferry.models import spec_for
+from mmferry.models import preset, spec_for
 
 P, T, C = 16, 2, 3
 

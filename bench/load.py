@@ -257,8 +257,7 @@ def serve_baseline(depth: int | None) -> int:
     import mmferry as mf
     from bench.encoder import hf_tower
     from mmferry.commands.model_args import shallow
-    from mmferry.config import preset
-    from mmferry.models import spec_for
+    from mmferry.models import preset, spec_for
     from mmferry.server.encoded import EncodedItem, to_bytes
 
     cfg = spec_for("qwen3-vl").random_config

@@ -43,7 +43,7 @@ from bench.harness import (
     machine,
     timed,
 )
-from mmferry.config import preset
+from mmferry.models import preset
 from mmferry.preprocess import video as video_mod
 from mmferry.preprocess.buffers import empty_host
 from mmferry.preprocess.image import process_image

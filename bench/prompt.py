@@ -17,8 +17,8 @@ from functools import partial
 import torch
 
 from bench import harness
-from mmferry.config import preset
 from mmferry.items import MultimodalItem
+from mmferry.models import preset
 from mmferry.prompt.expand import expand_prompt
 from mmferry.prompt.mrope import VisionSpan, mrope_positions
 from tests.support.tiny_models import tiny_base_model

@@ -34,11 +34,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from bench.harness import Figure, Report, check_equal, compare, main_for
-from mmferry.config import TokenIds, VisionConfig, preset
+from mmferry.config import TokenIds, VisionConfig
 from mmferry.embed.cache import EncoderCache
 from mmferry.embed.step import StepOutput, StepRequest, prefill_step
 from mmferry.encoder.model import VisionEncoder, VisionOutput
 from mmferry.items import MultimodalItem
+from mmferry.models import preset
 from mmferry.prompt.expand import ExpandedPrompt, expand_prompt
 
 TOK = TokenIds(image=1001, video=1002, vision_start=1003, vision_end=1004)

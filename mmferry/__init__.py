@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 # extras (PyAV, tokenizers) are touched only when their feature is used.
 _EXPORTS: dict[str, str] = {
     # configuration
-    "load_model_config": "mmferry.config",
+    "load_model_config": "mmferry.models",
     "ModelConfig": "mmferry.config",
     "VisionConfig": "mmferry.config",
     "ProcessorConfig": "mmferry.config",

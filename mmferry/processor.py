@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mmferry.config import ProcessorConfig, load_model_config, preset
+from mmferry.config import ProcessorConfig
 from mmferry.items import Layout, MultimodalItem
-from mmferry.models.base import spec_for
+from mmferry.models import load_model_config, preset, spec_for
 
 if TYPE_CHECKING:
     from mmferry.prompt.expand import ExpandedPrompt

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import mmferry as mf
-from mmferry.config import load_model_config
-from mmferry.models import PRESETS, SUPPORTED_MODEL_TYPES
+from mmferry.models import PRESETS, SUPPORTED_MODEL_TYPES, load_model_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mmferry.config import VisionConfig
-from mmferry.models.base import spec_for
+from mmferry.models import spec_for
 
 
 @dataclass(frozen=True)

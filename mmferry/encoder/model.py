@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mmferry.config import VisionConfig, load_model_config
+from mmferry.config import VisionConfig
 from mmferry.encoder.attention import get_attention
 from mmferry.encoder.layers import INPUT_KINDS, InputKind
 from mmferry.encoder.loader import assign_state, iter_vision_tensors
 from mmferry.feed.materialize import materialize_features
 from mmferry.items import MultimodalItem
-from mmferry.models.base import spec_for
+from mmferry.models import load_model_config, spec_for
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from mmferry.encoder.assign import Assignment, CostModel, Shard, assign_work
 from mmferry.feed.materialize import materialize_features
 from mmferry.items import MultimodalItem
-from mmferry.models.base import spec_for
+from mmferry.models import spec_for
 
 if TYPE_CHECKING:
     from mmferry.encoder.model import VisionEncoder, VisionOutput

@@ -1,17 +1,16 @@
-"""Model families: one module each; a family registers its specs when imported here."""
+"""Model families (one module each), their registry, and checkpoint-folder reading."""
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
-from mmferry.config import ProcessorConfig
-from mmferry.models import qwen2_vl, qwen3_vl  # noqa: F401  (the registry lines)
-from mmferry.models.base import ModelSpec, all_specs, spec_for, supported_model_types
-
-SUPPORTED_MODEL_TYPES = supported_model_types()
-# The public checkpoints' preprocessor defaults, by the names users type.
-PRESETS: MappingProxyType[str, ProcessorConfig] = MappingProxyType(
-    {s.preset_name: s.processor for s in all_specs()}
+from mmferry.models.base import ModelSpec
+from mmferry.models.checkpoint import load_model_config
+from mmferry.models.registry import (
+    PRESETS,
+    SUPPORTED_MODEL_TYPES,
+    all_specs,
+    preset,
+    spec_for,
+    supported_model_types,
 )
 
 __all__ = [
@@ -19,6 +18,8 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "ModelSpec",
     "all_specs",
+    "load_model_config",
+    "preset",
     "spec_for",
     "supported_model_types",
 ]

@@ -1,9 +1,7 @@
-"""`ModelSpec`: everything that differs between model families, and the registry of specs.
+"""`ModelSpec`: everything that differs between model families.
 
-A stage that needs a family fact asks `spec_for(name)` (a config.json `model_type`, a family
-name, or a preset name such as "qwen2.5-vl") and reads an attribute; it never compares family
-names itself. Adding a family is one module in `mmferry/models/` that calls `register`, plus
-its import line in `mmferry/models/__init__.py`.
+A stage reads a spec's attributes (found by `mmferry.models.spec_for`); it never compares
+family names itself. The registry of specs is `mmferry/models/registry.py`.
 """
 
 from __future__ import annotations
@@ -74,48 +72,3 @@ class ModelSpec:
             value = next((vision[k] for k in keys if vision.get(k) is not None), default)
             values[ours] = tuple(value) if isinstance(value, list) else value
         return VisionConfig(family=self.family, **values)
-
-
-_SPECS: dict[str, ModelSpec] = {}
-
-
-def _key(name: str) -> str:
-    # "qwen2.5-vl", "Qwen2_5_VL" and "qwen2_5_vl" are one name.
-    return name.lower().replace("-", "_").replace(".", "_")
-
-
-def register(*specs: ModelSpec) -> None:
-    """Make specs reachable by model type and preset name (a family resolves to its first)."""
-    for spec in specs:
-        for name in (spec.model_type, spec.preset_name):
-            _SPECS[_key(name)] = spec
-        _SPECS.setdefault(_key(spec.family), spec)
-
-
-def spec_for(name: str) -> ModelSpec:
-    """The spec for a model type, family or preset name; ValueError listing supported types."""
-    from mmferry import models  # noqa: F401  (registers the families)
-
-    spec = _SPECS.get(_key(name))
-    if spec is None:
-        raise ValueError(
-            f"unsupported model {name!r}; mmferry supports: " + ", ".join(supported_model_types())
-        )
-    return spec
-
-
-def all_specs() -> tuple[ModelSpec, ...]:
-    """Every registered spec, one per model type, in registration order."""
-    from mmferry import models  # noqa: F401
-
-    return tuple(dict.fromkeys(_SPECS.values()))
-
-
-def supported_model_types() -> tuple[str, ...]:
-    """The config.json `model_type` values mmferry loads."""
-    return tuple(s.model_type for s in all_specs())
-
-
-def families() -> frozenset[str]:
-    """The family names (rule sets) the registered model types belong to."""
-    return frozenset(s.family for s in all_specs())

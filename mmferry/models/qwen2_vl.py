@@ -28,7 +28,7 @@ from mmferry.encoder.layers import (
     rope_tables,
 )
 from mmferry.encoder.metadata import TowerMetadata, build_metadata
-from mmferry.models.base import ModelSpec, register
+from mmferry.models.base import ModelSpec
 from mmferry.preprocess.sampling import stride_indices, whole_clip_size
 
 
@@ -252,4 +252,5 @@ QWEN2_5_VL = ModelSpec(
     video_time_in_mrope=True,
 )
 
-register(QWEN2_VL, QWEN2_5_VL)
+# The registry's entries (`mmferry/models/registry.py`).
+SPECS = (QWEN2_VL, QWEN2_5_VL)

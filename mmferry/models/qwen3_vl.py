@@ -20,7 +20,7 @@ from mmferry.config import ProcessorConfig, TokenIds, VisionConfig
 from mmferry.encoder.attention import AttentionFn
 from mmferry.encoder.layers import InputKind, PatchEmbed, VisionBlock, layer_norm, rope_tables
 from mmferry.encoder.metadata import TowerMetadata, build_metadata
-from mmferry.models.base import ModelSpec, register
+from mmferry.models.base import ModelSpec
 from mmferry.preprocess.sampling import even_indices, per_frame_size
 
 # In-place activations: the MLP's [N, intermediate] tensor is the largest of a layer, and not
@@ -216,7 +216,8 @@ _QWEN3_5 = dataclasses.replace(
     tiny_config=dataclasses.replace(QWEN3_VL.tiny_config, deepstack_visual_indexes=()),
 )
 
-register(
+# The registry's entries (`mmferry/models/registry.py`).
+SPECS = (
     QWEN3_VL,
     dataclasses.replace(QWEN3_VL, model_type="qwen3_vl_moe", preset_name="qwen3-vl-moe"),
     _QWEN3_5,

@@ -20,7 +20,7 @@ import torch
 
 from mmferry.config import ProcessorConfig
 from mmferry.items import Layout, MultimodalItem
-from mmferry.models.base import spec_for
+from mmferry.models import spec_for
 from mmferry.preprocess.decode import decode_image, describe, pixels_identity, read_source_bytes
 from mmferry.preprocess.hashing import identity_nbytes, item_hash
 from mmferry.preprocess.image import check_layout

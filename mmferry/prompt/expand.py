@@ -20,7 +20,7 @@ import torch
 
 from mmferry.config import ProcessorConfig
 from mmferry.items import MultimodalItem
-from mmferry.models.base import spec_for
+from mmferry.models import spec_for
 from mmferry.prompt.mrope import Advance, VisionSpan, mrope_positions
 from mmferry.prompt.tokenizer import load_tokenizer
 

@@ -12,9 +12,9 @@ from PIL import Image
 from prompt_helpers import build_tokenizer_json, hf_processor
 
 import mmferry as mf
-from mmferry.config import preset
 from mmferry.embed.cache import EncoderCache
 from mmferry.embed.step import StepRequest, prefill_step
+from mmferry.models import preset
 from mmferry.prompt.mrope import decode_positions
 
 PRESET = {"qwen3_vl": "qwen3-vl", "qwen2_5_vl": "qwen2.5-vl"}

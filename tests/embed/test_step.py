@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmferry.config import preset
 from mmferry.embed.cache import EncoderCache
 from mmferry.embed.step import Precomputed, StepRequest, prefill_step
 from mmferry.encoder.model import VisionEncoder
 from mmferry.items import MultimodalItem
+from mmferry.models import preset
 from mmferry.prompt.expand import expand_prompt
 from mmferry.prompt.mrope import decode_positions
 from tests.support.tiny_models import small_patch_qwen3

@@ -8,10 +8,9 @@ import shutil
 import pytest
 import torch
 
-from mmferry.config import load_model_config
 from mmferry.encoder import metadata
 from mmferry.encoder.model import VisionEncoder
-from mmferry.models import spec_for
+from mmferry.models import load_model_config, spec_for
 
 TINY = spec_for("qwen3_vl").tiny_config
 WIDTH = TINY.in_channels * TINY.temporal_patch_size * TINY.patch_size**2

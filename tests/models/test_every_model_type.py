@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmferry.config import load_model_config
 from mmferry.encoder.model import VisionEncoder
 from mmferry.items import MultimodalItem
-from mmferry.models import spec_for, supported_model_types
+from mmferry.models import load_model_config, spec_for, supported_model_types
 
 pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmferry.config import preset
+from mmferry.models import preset
 from mmferry.preprocess.image import process_image
 from mmferry.preprocess.video import process_video
 

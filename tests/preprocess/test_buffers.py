@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from mmferry.config import preset
 from mmferry.env import Env
+from mmferry.models import preset
 from mmferry.preprocess import buffers
 from mmferry.preprocess.buffers import HostBufferCache, empty_host, host_cache
 from mmferry.preprocess.image import process_image

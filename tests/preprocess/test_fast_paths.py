@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from mmferry.config import preset
+from mmferry.models import preset
 from mmferry.preprocess import image as image_mod
 from mmferry.preprocess import video_decode
 from mmferry.preprocess.decode import decode_image

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from mmferry.config import preset
+from mmferry.models import preset
 from mmferry.preprocess import image as image_mod
 from mmferry.preprocess import threads as threads_mod
 from mmferry.preprocess import video as video_mod

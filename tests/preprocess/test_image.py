@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from mmferry.config import preset
+from mmferry.models import preset
 from mmferry.preprocess.image import process_image
 from mmferry.preprocess.samples import sample_images
 from tests.support.compact import compact_to_hf

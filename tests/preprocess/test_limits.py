@@ -21,7 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmferry.config import preset
+from mmferry.models import preset
 from mmferry.preprocess.image import process_image
 from mmferry.preprocess.sampling import frame_timestamps, sample_indices
 from mmferry.preprocess.video import process_video
@@ -40,7 +40,7 @@ def _peak_growth_mib(code: str, setup: str = "") -> float:
         import io, json, sys
         import numpy as np
         from PIL import Image
-        from mmferry.config import preset
+        from mmferry.models import preset
         from mmferry.preprocess.image import process_image
         from mmferry.preprocess.video import process_video
         process_image(np.zeros((64, 64, 3), np.uint8), preset("qwen3-vl"))  # warm-up

@@ -16,7 +16,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
 )
 
 from mmferry import smart_resize
-from mmferry.config import preset
+from mmferry.models import preset
 from mmferry.preprocess.resize import smart_resize_video
 from mmferry.preprocess.sampling import video_target_size
 

@@ -18,7 +18,7 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.video_utils import VideoMetadata, read_video_pyav
 
-from mmferry.config import preset
+from mmferry.models import preset
 from mmferry.preprocess.samples import sample_video
 from mmferry.preprocess.sampling import frame_timestamps, sample_indices
 from mmferry.preprocess.video import process_video

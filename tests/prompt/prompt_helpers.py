@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
-from mmferry.config import TokenIds, preset
+from mmferry.config import TokenIds
 from mmferry.items import MultimodalItem
+from mmferry.models import preset
 
 TOK = TokenIds()
 SPECIALS = {

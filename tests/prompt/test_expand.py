@@ -18,7 +18,7 @@ from PIL import Image
 from prompt_helpers import TOK, hf_processor, hf_timestamps, make_item
 
 import mmferry
-from mmferry.config import preset
+from mmferry.models import preset
 from mmferry.prompt.expand import expand_prompt
 
 VS, VE, IMG, VID = TOK.vision_start, TOK.vision_end, TOK.image, TOK.video

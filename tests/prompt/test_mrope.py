@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prompt_helpers import TOK, make_item
 
-from mmferry.config import preset
+from mmferry.models import preset
 from mmferry.prompt.expand import expand_prompt
 from mmferry.prompt.mrope import VisionSpan, mrope_positions
 
