@@ -8,6 +8,7 @@ _EXPORTS: dict[str, str] = {
     "ShmArena": "mmferry.transport.shm",
     "ShmHandle": "mmferry.transport.shm",
     "ArenaFullError": "mmferry.transport.shm",
+    "ShmSpaceError": "mmferry.transport.segment",
     "open_shared": "mmferry.transport.shm",
     "FeaturePool": "mmferry.transport.pool",
     "PoolHandle": "mmferry.transport.pool",
@@ -15,6 +16,7 @@ _EXPORTS: dict[str, str] = {
     "CudaBacking": "mmferry.transport.pool",
     "open_feature": "mmferry.transport.pool",
     "ack": "mmferry.transport.pool",
+    "settle_acks": "mmferry.transport.pool",
 }
 
 __all__ = list(_EXPORTS)
