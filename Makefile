@@ -1,5 +1,8 @@
-# One virtual environment for everything; torch is pinned to the CPU build kept on this disk.
+# One virtual environment for everything. torch is pinned to the release the project is tested
+# with; TORCH_INDEX picks the wheel index (empty: pip's own configuration, which on Linux is
+# PyPI's CUDA build), e.g. `make test TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
 VENV ?= .venv
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -8,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml mmferry/preprocess/_patches.c
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
+
+from mmferry.commands import HelpFormatter, UsageError
+from mmferry.commands.model_args import DTYPES, check_device, load_error
+
+# The demo's default image budget: the 24-layer default tower stays quick on a laptop CPU.
+DEMO_MAX_PIXELS = 160 * 32 * 32
+_DEMO_DESCRIPTION = (
+    "Run the whole path once: preprocess three photographs and a short video, expand a prompt, "
+    "hand the features over through shared memory, encode them and merge the embeddings into a "
+    "prompt's rows. Without --model the tower is built in with seeded RANDOM weights (no "
+    "download)."
+)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -14,11 +27,17 @@ def _demo(args: argparse.Namespace) -> int:
     from mmferry.embed.merge import merge_vision_embeddings
     from mmferry.models import spec_for
 
-    if args.model_dir:
-        proc = mf.Processor.from_pretrained(args.model_dir)
+    check_device(args.device)
+    budget = {"min_pixels": args.min_pixels, "max_pixels": args.max_pixels}
+    if args.model:
+        if args.max_pixels == DEMO_MAX_PIXELS:
+            budget["max_pixels"] = None  # a checkpoint keeps its own unless told
+        try:
+            proc = mf.Processor.from_pretrained(args.model, **_image_budget(budget))
+        except (OSError, ValueError) as e:
+            raise load_error(args.model, e) from None
     else:
-        # A modest pixel budget keeps the 24-layer default tower quick on a laptop CPU.
-        proc = mf.Processor.for_model("qwen3-vl", image_max_pixels=args.max_pixels)
+        proc = mf.Processor.for_model("qwen3-vl", **_image_budget(budget))
     sources = [str(p) for p in args.images] or [str(p) for p in mf.sample_images()]
     t0 = time.perf_counter()
     items = [proc.image(s, layout="compact-u8") for s in sources]
@@ -60,8 +79,8 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
     dtype = getattr(torch, args.dtype)
-    if args.model_dir:
-        enc = mf.VisionEncoder.from_pretrained(args.model_dir, device=args.device, dtype=dtype)
+    if args.model:
+        enc = mf.VisionEncoder.from_pretrained(args.model, device=args.device, dtype=dtype)
     else:
         enc = mf.VisionEncoder.random("qwen3-vl", device=args.device, dtype=dtype)
     batch = _through_shared_memory(items + ([video] if video is not None else []))
@@ -88,9 +107,15 @@ def _demo(args: argparse.Namespace) -> int:
     if getattr(enc, "random_weights", False):
         print(
             "NOTE: the vision tower has seeded RANDOM weights (built-in default, no download);"
-            " pass --model-dir for a real checkpoint."
+            " pass --model for a real checkpoint."
         )
     return 0
+
+
+def _image_budget(budget: dict[str, int | None]) -> dict[str, int]:
+    """transformers' names -> the processor's image fields, unset ones left out."""
+    names = {"min_pixels": "image_min_pixels", "max_pixels": "image_max_pixels"}
+    return {names[k]: v for k, v in budget.items() if v is not None}
 
 
 def _through_shared_memory(items: list) -> list:
@@ -112,28 +137,70 @@ def _through_shared_memory(items: list) -> list:
     return [dataclasses.replace(it, feature=v) for it, v in zip(items, views)]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mmferry", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="run the pipeline on the bundled samples")
+def _add_demo_args(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("images", nargs="*", type=Path, help="images (default: bundled samples)")
-    demo.add_argument("--video", type=Path, help="a video file (default: bundled sample)")
-    demo.add_argument("--no-video", action="store_true")
-    demo.add_argument("--model-dir", help="a local Qwen-VL checkpoint folder")
+    demo.add_argument("--video", type=Path, help="a video file (default: the bundled sample)")
+    demo.add_argument("--no-video", action="store_true", help="leave the video out")
     demo.add_argument(
-        "--max-pixels", type=int, default=160 * 32 * 32, help="image pixel budget (preset only)"
+        "--model",
+        "--model-dir",
+        dest="model",
+        metavar="DIR",
+        help="a local Qwen-VL checkpoint folder (default: the built-in Qwen3-VL-2B-sized tower "
+        "with seeded RANDOM weights)",
     )
-    demo.add_argument("--device", default="cpu")
-    demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    demo.add_argument(
+        "--min-pixels",
+        type=int,
+        help="image pixel budget, lower bound (transformers' min_pixels; default: the model's)",
+    )
+    demo.add_argument(
+        "--max-pixels",
+        type=int,
+        default=DEMO_MAX_PIXELS,
+        help="image pixel budget, upper bound (transformers' max_pixels); the default keeps "
+        "the built-in tower quick on a laptop CPU; with --model, the checkpoint's own unless given",
+    )
+    demo.add_argument("--device", default="cpu", help="where the tower runs (cpu, cuda, cuda:1)")
+    demo.add_argument(
+        "--dtype", default="float32", choices=DTYPES, help="the tower's parameter dtype"
+    )
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser], dict]:
+    """The top-level parser, each command's parser, and each command's function."""
+    parser = argparse.ArgumentParser(prog="mmferry", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     from mmferry.commands import bench, encode, serve
 
+    parsers: dict[str, argparse.ArgumentParser] = {}
     commands = {"demo": _demo}
     for name, module, text in (
+        ("demo", None, "run the whole pipeline on the bundled samples"),
         ("encode", encode, "encode images and videos into one safetensors file"),
         ("serve", serve, "run the HTTP encoder service"),
         ("bench", bench, "run the benchmarks (figures beside their baselines)"),
     ):
-        module.add_args(sub.add_parser(name, help=text, description=module.__doc__))
-        commands[name] = module.run
-    args = parser.parse_args(argv)
-    return commands[args.cmd](args)
+        description = _DEMO_DESCRIPTION if module is None else module.__doc__
+        p = sub.add_parser(name, help=text, description=description, formatter_class=HelpFormatter)
+        parsers[name] = p
+        if module is None:
+            _add_demo_args(p)
+        else:
+            module.add_args(p)
+            commands[name] = module.run
+    return parser, parsers, commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`mmferry`: parse, run the command; a user mistake is one line on stderr and exit 2."""
+    parser, parsers, commands = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # NOTE: argparse reports these with the top-level usage; the command's is the one to show.
+        parsers[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return commands[args.cmd](args)
+    except UsageError as e:
+        print(f"mmferry {args.cmd}: error: {e}", file=sys.stderr)
+        return 2

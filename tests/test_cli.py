@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 import os
 import re
 
@@ -41,3 +42,45 @@ def test_help_names_only_real_commands(capsys):
         with pytest.raises(SystemExit) as e:
             main([cmd, "--help"])
         assert e.value.code == 0, cmd
+
+
+def _one_line_error(capsys, argv: list[str], *needles: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_folder_without_config_is_one_line(tmp_path, capsys):
+    _one_line_error(capsys, ["demo", "--model", str(tmp_path)], "config.json", "--model")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_one_line(capsys):
+    _one_line_error(capsys, ["demo", "--device", "cuda"], "--device cuda", "torch")
+    _one_line_error(capsys, ["demo", "--device", "tpu:x"], "not a device")
+
+
+def test_wrong_option_after_a_command_shows_that_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: mmferry demo") and "--bogus" in err, err
+
+
+@pytest.mark.parametrize("cmd", ["demo", "bench"])
+def test_every_option_has_help_and_shows_its_default(cmd):
+    from mmferry.cli import build_parser
+
+    parser = build_parser()[1][cmd]
+    for action in parser._actions:
+        assert action.help, f"mmferry {cmd} {action.option_strings or action.dest} has no help"
+    text = parser.format_help()
+    for action in parser._actions:
+        if action.option_strings and action.default not in (None, False, [], ()):
+            if action.default is argparse.SUPPRESS:
+                continue
+            assert f"(default: {action.default})" in " ".join(text.split()), action.dest
