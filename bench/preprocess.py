@@ -278,7 +278,7 @@ def check_images(datas: list[bytes], cfg, worker: TorchvisionWorker | None, tmp:
 
 def _compact_as_hf(compact: torch.Tensor, cfg) -> torch.Tensor:
     from mmferry.items import MultimodalItem
-    from tests.support.compact import compact_to_hf
+    from mmferry.testing.layouts import compact_to_hf
 
     rows = compact.shape[0]
     item = MultimodalItem("image", compact, (1, 2, rows // 2), "compact-u8", "0" * 32, 2)

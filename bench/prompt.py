@@ -21,7 +21,7 @@ from mmferry.items import MultimodalItem
 from mmferry.models import preset
 from mmferry.prompt.expand import expand_prompt
 from mmferry.prompt.mrope import VisionSpan, mrope_positions
-from tests.support.tiny_models import tiny_base_model
+from mmferry.testing.checkpoints import tiny_base_model
 
 IMG, VID, VS, VE = 151655, 151656, 151652, 151653
 

@@ -12,7 +12,7 @@ from mmferry.items import MultimodalItem
 from mmferry.models import preset
 from mmferry.prompt.expand import expand_prompt
 from mmferry.prompt.mrope import decode_positions
-from tests.support.tiny_models import small_patch_qwen3
+from mmferry.testing.checkpoints import small_patch_qwen3
 
 TINY = small_patch_qwen3()
 CFG = preset("qwen2.5-vl").replace(patch_size=4)  # one span per video: no tokenizer needed

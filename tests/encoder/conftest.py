@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.support.tiny_models import save_tiny_checkpoint  # noqa: E402
+from mmferry.testing.checkpoints import save_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from mmferry.encoder.loader import iter_vision_tensors
 from mmferry.encoder.model import VisionEncoder
 from mmferry.items import MultimodalItem
 from mmferry.models import spec_for
-from tests.support.tiny_models import save_tiny_checkpoint
+from mmferry.testing.checkpoints import save_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

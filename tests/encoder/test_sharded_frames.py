@@ -10,7 +10,7 @@ from mmferry.encoder.model import VisionEncoder
 from mmferry.encoder.sharded import _sub_item
 from mmferry.items import MultimodalItem
 from mmferry.models import all_specs
-from tests.support.tiny_models import small_patch_qwen3
+from mmferry.testing.checkpoints import small_patch_qwen3
 
 GRID = (5, 8, 12)  # 5 temporal patches of 8x12: six Qwen2.5 windows per frame at window_size 16
 SPLITS = [(0, 2), (2, 3), (3, 5)]

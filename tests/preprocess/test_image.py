@@ -19,7 +19,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from mmferry.models import preset
 from mmferry.preprocess.image import process_image
 from mmferry.preprocess.samples import sample_images
-from tests.support.compact import compact_to_hf
+from mmferry.testing.layouts import compact_to_hf
 
 from . import reference as ref
 from .conftest import gradient

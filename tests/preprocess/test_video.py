@@ -22,7 +22,7 @@ from mmferry.models import preset
 from mmferry.preprocess.samples import sample_video
 from mmferry.preprocess.sampling import frame_timestamps, sample_indices
 from mmferry.preprocess.video import process_video
-from tests.support.compact import compact_to_hf
+from mmferry.testing.layouts import compact_to_hf
 
 from . import reference as ref
 

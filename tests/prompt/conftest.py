@@ -9,7 +9,7 @@ import pytest
 import torch
 from prompt_helpers import TOK, build_tokenizer_json
 
-from tests.support.tiny_models import tiny_base_model
+from mmferry.testing.checkpoints import tiny_base_model
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Tiny transformers Qwen-VL models (the oracle) for every supported model type.
+"""Tiny transformers Qwen-VL checkpoints (the oracle) for every supported model type.
 
 The tower sizes are each spec's `tiny_config`, written back in HF spelling by inverting the
 spec's `hf_vision` table, so a checkpoint saved here loads into mmferry's tiny tower as is.
@@ -80,7 +80,12 @@ def hf_vision(model_type: str, config: VisionConfig | None = None) -> dict[str, 
 
 
 def _classes(model_type: str):
-    import transformers
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(
+            "mmferry.testing's tiny checkpoints need transformers: pip install 'mmferry[testing]'"
+        ) from None
 
     return tuple(getattr(transformers, name) for name in HF_CLASSES[model_type])
 

@@ -1,1 +1,0 @@
-"""Shared test support: tiny configs and models, layout helpers."""
