@@ -22,12 +22,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check mmferry tests bench examples
-	$(VENV)/bin/ruff format --check mmferry tests bench examples
+	$(VENV)/bin/ruff check mmferry tests examples
+	$(VENV)/bin/ruff format --check mmferry tests examples
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format mmferry tests bench examples
-	$(VENV)/bin/ruff check --fix mmferry tests bench examples
+	$(VENV)/bin/ruff format mmferry tests examples
+	$(VENV)/bin/ruff check --fix mmferry tests examples
 
 bench: $(STAMP)
 	$(PY) -m mmferry bench

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = Path(__file__).resolve().parent.parent / "mmferry" / "bench"
 MODULES = sorted(
     p.stem for p in BENCH.glob("*.py") if not p.stem.startswith("_") and p.stem != "harness"
 )
@@ -18,7 +18,7 @@ NO_FIGURES = {"stress"}
 
 @pytest.mark.parametrize("name", MODULES)
 def test_bench_module_imports_and_has_an_entry_point(name):
-    mod = importlib.import_module(f"bench.{name}")
+    mod = importlib.import_module(f"mmferry.bench.{name}")
     if name in NO_FIGURES:
         return
     assert list(inspect.signature(mod.run).parameters) == ["report", "quick"]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import harness
-from mmferry.commands.bench import available, bench_root
+from mmferry.bench import harness
+from mmferry.commands.bench import available
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def _report() -> harness.Report:
 
 
 def test_every_bench_module_is_found_and_none_else():
-    names = available(bench_root())
+    names = available()
     assert {"encoder", "load", "preprocess", "sharded"} <= set(names)
     assert "harness" not in names and "__init__" not in names
     assert not [n for n in names if n.startswith("_")], "helpers are not benchmarks"

@@ -1,31 +1,27 @@
-"""`mmferry bench [NAME ...|all]`: every benchmark in bench/, one table, JSON and a plot.
+"""`mmferry bench [NAME ...|all]`: every benchmark of `mmferry.bench`, one table, JSON and a plot.
 
-Names are the modules in bench/ (see bench/__init__.py for the contract they follow).
+Names are the modules of `mmferry/bench/` (see its `__init__.py` for the contract they follow).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import pkgutil
 import sys
 import traceback
-from pathlib import Path
 
 SKIP = ("harness",)
 
 
-def bench_root() -> Path | None:
-    """The source checkout's bench/ folder (benchmarks are not installed with the package)."""
-    root = Path(__file__).resolve().parents[2]
-    return root if (root / "bench" / "__init__.py").is_file() else None
+def available() -> list[str]:
+    """Benchmark names: modules of `mmferry.bench` other than the harness and private ones."""
+    import mmferry.bench
 
-
-def available(root: Path) -> list[str]:
-    """Benchmark names: modules in bench/ other than the harness and private ones."""
     return sorted(
-        p.stem
-        for p in (root / "bench").glob("*.py")
-        if not p.stem.startswith("_") and p.stem not in SKIP
+        m.name
+        for m in pkgutil.iter_modules(mmferry.bench.__path__)
+        if not m.name.startswith("_") and m.name not in SKIP
     )
 
 
@@ -38,12 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the named benchmarks; 2 for an unknown name, 1 if any benchmark failed."""
-    root = bench_root()
-    if root is None:
-        print("mmferry bench needs a source checkout (the bench/ folder)", file=sys.stderr)
-        return 2
-    sys.path.insert(0, str(root))
-    names = available(root)
+    names = available()
     wanted = names if not args.names or args.names == ["all"] else args.names
     unknown = [n for n in wanted if n not in names]
     if unknown:
@@ -58,13 +49,13 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             print("--plot needs matplotlib: pip install 'mmferry[plot]'", file=sys.stderr)
             return 2
-    from bench import harness
+    from mmferry.bench import harness
 
     report = harness.Report()
     print(f"machine: {harness.machine()}", flush=True)
     failed = []
     for name in wanted:
-        mod = importlib.import_module(f"bench.{name}")
+        mod = importlib.import_module(f"mmferry.bench.{name}")
         report.section(name)
         try:
             if hasattr(mod, "run"):

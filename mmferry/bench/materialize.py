@@ -1,6 +1,6 @@
 """Benchmark: materialise features (CPU, and GPU when present) and hand them across processes.
 
-Run: python -m bench.materialize [--quick]
+Run: python -m mmferry.bench.materialize [--quick]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.harness import Report, compare, main_for
+from mmferry.bench.harness import Report, compare, main_for
 from mmferry.feed.materialize import materialize_features
 from mmferry.transport.shm import ShmArena, open_shared
 

@@ -7,7 +7,7 @@ shape. Workloads (fixed): a Qwen3-VL prompt with a 1-hour video at 768 frames (3
 patches of 4x7 merged tokens) plus 4 images, and a Qwen2.5-VL prompt with 8 images of
 1044 tokens and a 3-patch video. Warm-up excluded; interleaved rounds, median and spread.
 
-Needs transformers (the dev extra). Run: python -m bench.prompt [--quick] [--json FILE]
+Needs transformers (the dev extra). Run: python -m mmferry.bench.prompt [--quick] [--json FILE]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from bench import harness
+from mmferry.bench import harness
 from mmferry.items import MultimodalItem
 from mmferry.models import preset
 from mmferry.prompt.expand import expand_prompt

@@ -5,7 +5,7 @@ took but never confirmed is cancelled; at the end every producer must have recla
 and no producer's segment may remain. The test suite runs a short version
 (`tests/transport/test_stress.py`).
 
-Run: python -m bench.stress [--items N] [--producers P] [--consumers C] [--kill-rate R]
+Run: python -m mmferry.bench.stress [--items N] [--producers P] [--consumers C] [--kill-rate R]
 """
 
 from __future__ import annotations
@@ -223,14 +223,14 @@ def run_stress(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.stress", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m mmferry.bench.stress", description=__doc__)
     ap.add_argument("--items", type=int, default=1000, help="features per producer")
     ap.add_argument("--producers", type=int, default=4)
     ap.add_argument("--consumers", type=int, default=4)
     ap.add_argument("--kill-rate", type=float, default=0.01, help="kills per delivery")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    from bench.harness import machine
+    from mmferry.bench.harness import machine
 
     print(f"machine: {machine()}")
     bad = 0

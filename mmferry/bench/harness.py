@@ -286,7 +286,7 @@ def plot(report: Report, path: str | Path) -> None:
 
 
 def main_for(run: Callable[[Report, bool], None], argv: list[str] | None, description: str) -> int:
-    """`python -m bench.NAME [--quick] [--json FILE]` for a module that defines `run`."""
+    """`python -m mmferry.bench.NAME [--quick] [--json FILE]` for a module that defines `run`."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)

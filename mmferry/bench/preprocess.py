@@ -11,7 +11,7 @@ write of the output. Video: a seeded 60 s 1280x720 H.264 clip (a keyframe every 
 sampled at 0.25 and 2 fps, against today's decoder (every frame decoded up to the last
 sampled one, held at full size, then resized), kept here as the reference.
 
-Run: python -m bench.preprocess [--quick] [--rounds N] [--baseline-venv DIR] [--json PATH]
+Run: python -m mmferry.bench.preprocess [--quick] [--rounds N] [--baseline-venv DIR] [--json PATH]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 
-from bench.harness import (
+from mmferry.bench.harness import (
     MIN_ROUNDS,
     Figure,
     Report,
@@ -379,8 +379,8 @@ def video_figures(report: Report, cfg, rounds: int, quick: bool) -> None:
 
 
 # Where `--baseline-venv` puts the torchvision baseline by default; `mmferry bench preprocess`
-# uses it when it exists (create it once with `python -m bench.preprocess --baseline-venv`).
-DEFAULT_BASELINE_VENV = Path(__file__).resolve().parent.parent / ".bench-venv"
+# uses it when it exists (create it once with `python -m mmferry.bench.preprocess --baseline-venv`).
+DEFAULT_BASELINE_VENV = Path(__file__).resolve().parents[2] / ".bench-venv"
 PARTS = ("images", "floor", "threads", "video")
 
 

@@ -7,7 +7,7 @@ Part 2 (measured): each rank's local encode time under each placement on 2 ranks
 modelled imbalance. Part 3 (real processes, gloo, CPU): wall time of `encode_sharded` on 2 ranks
 vs one process, interleaved per round, with a tiny random Qwen3-VL tower, one thread per rank.
 
-Run: python -m bench.sharded [--quick] [--json FILE]
+Run: python -m mmferry.bench.sharded [--quick] [--json FILE]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench import harness
+from mmferry.bench import harness
 from mmferry.config import VisionConfig
 from mmferry.encoder.assign import CostModel, assign_work
 from mmferry.encoder.sharded import _sub_item

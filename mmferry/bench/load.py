@@ -13,7 +13,7 @@ spread over 5 rounds; each round runs every server once, the order rotating.
 --quick cuts the tower to 1 layer (about 2 minutes a round on 2 quiet CPUs; the full 24-layer
 tower takes hours for 5 rounds).
 
-Run: python -m bench.load [--quick] [--json FILE]
+Run: python -m mmferry.bench.load [--quick] [--json FILE]
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bench import harness
+from mmferry.bench import harness
 
-ROOT = Path(__file__).resolve().parents[1]
+# The folder holding the mmferry package (a checkout, or site-packages when installed).
+ROOT = Path(__file__).resolve().parents[2]
 REQUESTS, CONCURRENCY, DISTINCT, FIRST_SEEN_BY = 200, 16, 24, 50
 ROUNDS = harness.MIN_ROUNDS
 SIZES = [(256, 256), (320, 240), (240, 320), (384, 256)]
@@ -184,7 +185,7 @@ def run(report: harness.Report, quick: bool) -> None:
     servers = {
         "batching on": serve,
         "batching off": [*serve, "--no-batching"],
-        "transformers": [sys.executable, "-m", "bench.load", "--serve-baseline", *depth],
+        "transformers": [sys.executable, "-m", "mmferry.bench.load", "--serve-baseline", *depth],
     }
     names = list(servers)
     runs: dict[str, list[Run]] = {name: [] for name in names}
@@ -255,7 +256,7 @@ def serve_baseline(depth: int | None) -> int:
     )
 
     import mmferry as mf
-    from bench.encoder import hf_tower
+    from mmferry.bench.encoder import hf_tower
     from mmferry.commands.model_args import shallow
     from mmferry.models import preset, spec_for
     from mmferry.server.encoded import EncodedItem, to_bytes

@@ -4,7 +4,7 @@
 # mmferry runs from the checkout, uninstalled. The log also lands in $OUT when it is set.
 # Record what it prints in BENCHMARKS.md ("GPU").
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 log="${OUT:-.}/gpu_checks.log"
 {
@@ -14,6 +14,6 @@ log="${OUT:-.}/gpu_checks.log"
     python3 -m pytest -q -p no:cacheprovider -rs --timeout 300 \
         tests/feed tests/transport tests/embed tests/models \
         tests/encoder/test_model.py tests/encoder/test_attention.py tests/encoder/test_compact.py
-    python3 -m bench.materialize --quick
-    python3 -m bench.encoder --quick
+    python3 -m mmferry.bench.materialize --quick
+    python3 -m mmferry.bench.encoder --quick
 } 2>&1 | tee "$log"

@@ -10,7 +10,7 @@ excluded).
 GPU, bfloat16 (only when CUDA is available): the same batch, plus images/s for batches of
 448x448 and 1344x1344 images.
 
-Run: python -m bench.encoder [--quick] [--json FILE]   (--quick: 4 layers, a smaller batch)
+Run: python -m mmferry.bench.encoder [--quick] [--json FILE]   (--quick: 4 layers, a smaller batch)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from bench import harness
+from mmferry.bench import harness
 from mmferry.encoder.model import VisionEncoder
 from mmferry.items import MultimodalItem
 from mmferry.models import preset, spec_for

@@ -20,7 +20,7 @@ Encoder time saved: 32 requests, 2 images each, half the image slots repeating a
 image (half of those repeats in the other layout), through a small real tower: every
 occurrence encoded (baseline) vs `prefill_step` deduplicating by hash.
 
-Run: python -m bench.step [--quick] [--json PATH]
+Run: python -m mmferry.bench.step [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from bench.harness import Figure, Report, check_equal, compare, main_for
+from mmferry.bench.harness import Figure, Report, check_equal, compare, main_for
 from mmferry.config import TokenIds, VisionConfig
 from mmferry.embed.cache import EncoderCache
 from mmferry.embed.step import StepOutput, StepRequest, prefill_step
