@@ -37,12 +37,47 @@ def test_every_bench_module_is_found_and_none_else():
 
 def test_table_shows_baseline_ours_ratio_and_spread():
     lines = harness.table(_report()).splitlines()
-    assert lines[0].split()[:3] == ["benchmark", "figure", "baseline"]
-    row = next(ln for ln in lines if ln.startswith("encoder"))
-    # baseline median 2000 ms (1800-2400), ours 1000 ms, ratio 2.00x (1.80-2.40) over 5 rounds
-    assert "2000.00 ms (1800.00-2400.00)" in row and "2.00x (1.80-2.40)" in row
+    assert lines[0].split()[:3] == ["baseline", "baseline", "value"]
+    row = lines[lines.index("  forward") + 1]
+    # baseline median 2000 ms (1800-2400), ours 1000 ms, ratio 2.00x (1.8-2.4) over 5 rounds
+    assert "2000 ms (1800-2400)" in row and "1000 ms" in row and "2.00x (1.8-2.4)" in row, row
     assert row.rstrip().endswith("5")
-    assert "3.00x" in next(ln for ln in lines if ln.startswith("load"))
+    assert "3.00x" in lines[lines.index("  requests/s") + 1]
+
+
+def test_table_fits_100_columns_and_keeps_every_word_of_long_labels():
+    report = harness.Report(quiet=True)
+    report.section("materialize")
+    long = "transport: a pageable tensor handed to another process, producer copy, " * 3
+    for i in range(4):
+        report.add(
+            harness.Figure(f"{long}#{i}", "torch.multiprocessing queue", [1e-3] * 5, [5e-4] * 5)
+        )
+    text = harness.table(report)
+    assert max(len(line) for line in text.splitlines()) <= 100, text
+    words = " ".join(text.split())
+    for i in range(4):
+        assert f"producer copy, #{i}" in words
+
+
+def test_json_values_are_in_the_unit_they_claim(tmp_path):
+    """A 20 ms sleep is ~20 in a figure whose unit is ms; 3 MiB of bytes is 3 in MiB."""
+    import time
+
+    report = harness.Report(quiet=True)
+    report.section("s")
+    report.add(
+        harness.compare(
+            "sleep", {"base": lambda: time.sleep(0.02), "mmferry": lambda: time.sleep(0.01)}
+        )
+    )
+    report.add(harness.Figure.of_values("peak", "base", 6 * 2**20, 3 * 2**20, unit="MiB"))
+    out = tmp_path / "b.json"
+    report.dump_json(out)
+    timed, size = json.loads(out.read_text())["sections"]["s"]
+    assert timed["unit"] == "ms" and 15 < timed["base_median"] < 200, timed
+    assert all(5 < v < 200 for v in timed["ours"]), timed
+    assert size["unit"] == "MiB" and size["base_median"] == 6 and size["ours"] == [3]
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -55,7 +90,8 @@ def test_json_holds_every_round(tmp_path):
     out = tmp_path / "bench.json"
     _report().dump_json(out)
     doc = json.loads(out.read_text())
-    assert doc["sections"]["encoder"][0]["base"] == [2.0, 2.2, 1.8, 2.0, 2.4]
+    # Seconds measured, milliseconds stored (the unit the figure names).
+    assert doc["sections"]["encoder"][0]["base"] == pytest.approx([2000, 2200, 1800, 2000, 2400])
 
 
 def test_unknown_name_lists_the_real_ones():

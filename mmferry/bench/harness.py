@@ -21,6 +21,7 @@ import dataclasses
 import json
 import platform
 import statistics
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -72,11 +73,9 @@ class Figure:
         return statistics.median(self.ratios)
 
     def _fmt(self, value: float) -> str:
-        if self.unit == "ms":
-            return f"{value * 1e3:.2f} ms"
-        if self.unit == "MiB":
-            return f"{value / 2**20:.1f} MiB"
-        return f"{value:.4g} {self.unit}".rstrip()
+        shown = self.shown(value)
+        digits = f"{shown:.2f}" if self.unit == "ms" else f"{shown:.4g}"
+        return f"{digits} {self.unit}".rstrip()
 
     def line(self) -> str:
         base, ours = statistics.median(self.base), statistics.median(self.ours)
@@ -88,16 +87,28 @@ class Figure:
             f"| {self.ratio:.2f}x{spread}{note}"
         )
 
+    def shown(self, value: float) -> float:
+        """`value` in the unit the figure names (times are kept in seconds, bytes in bytes)."""
+        return value * _SCALE.get(self.unit, 1.0)
+
     def as_dict(self) -> dict[str, Any]:
+        """Every value in the unit named by `unit` (ms for times, MiB for sizes); ratios bare."""
         d = dataclasses.asdict(self)
         d.update(
-            base_median=statistics.median(self.base),
-            ours_median=statistics.median(self.ours),
+            base=[self.shown(v) for v in self.base],
+            ours=[self.shown(v) for v in self.ours],
+            base_median=self.shown(statistics.median(self.base)),
+            ours_median=self.shown(statistics.median(self.ours)),
             ratio=self.ratio,
             ratio_min=min(self.ratios),
             ratio_max=max(self.ratios),
         )
         return d
+
+
+# What a stored value is multiplied by to be in the figure's unit: times are measured in
+# seconds and shown in ms, sizes are measured in bytes and shown in MiB.
+_SCALE = {"ms": 1e3, "MiB": 1 / 2**20}
 
 
 def compare(
@@ -227,58 +238,102 @@ class Report:
 # -- runner support (used by `mmferry bench` and each module's `main`) --------------------------
 
 
+WIDTH = 100  # the table's and the plot labels' width, in characters
+
+
+def _num(value: float) -> str:
+    return f"{value:.4g}"
+
+
 def _spread(fig: Figure, values: list[float]) -> str:
-    """Median with its unit, then the range as bare numbers in the same unit."""
-    mid = fig._fmt(statistics.median(values))
+    """Median with its unit, then the range in the same unit: `2.1 ms (1.9-2.4)`."""
+    mid = f"{_num(fig.shown(statistics.median(values)))} {fig.unit}".rstrip()
     if len(values) < 2:
         return mid
-    bare = lambda v: fig._fmt(v).split(" ")[0]  # noqa: E731
-    return f"{mid} ({bare(min(values))}-{bare(max(values))})"
+    return f"{mid} ({_num(fig.shown(min(values)))}-{_num(fig.shown(max(values)))})"
 
 
-def table(report: Report) -> str:
-    """Every figure of `report` as one aligned table: baseline, mmferry, ratio, spread."""
-    rows = [("benchmark", "figure", "baseline", "baseline value", "mmferry", "ratio", "rounds")]
+def _ratio(fig: Figure) -> str:
+    rs = fig.ratios
+    return f"{fig.ratio:.2f}x" + (f" ({_num(min(rs))}-{_num(max(rs))})" if len(rs) > 1 else "")
+
+
+def table(report: Report, width: int = WIDTH) -> str:
+    """Every figure of `report` within `width` columns: a section line, then per figure its
+    description (wrapped) over a row of baseline, mmferry, ratio and spread, rounds. The full
+    descriptions are in the JSON (`--json`)."""
+    head = ("baseline", "baseline value", "mmferry", "ratio (min-max)", "n")
+    rows: list[tuple[str, ...]] = [head]
+    for figs in report.sections.values():
+        rows += [
+            (f.base_name, _spread(f, f.base), _spread(f, f.ours), _ratio(f), str(len(f.ratios)))
+            for f in figs
+        ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    # A long baseline name gives way first: it is the one column a reader can do without.
+    over = sum(widths) + 2 * (len(widths) - 1) + 4 - width
+    if over > 0:
+        widths[0] = max(8, widths[0] - over)
+    cut = lambda text, w: text if len(text) <= w else text[: w - 1] + "~"  # noqa: E731
+    line = lambda r: ("    " + "  ".join(cut(c, w).ljust(w) for c, w in zip(r, widths))).rstrip()  # noqa: E731
+    out = [line(head), "    " + "  ".join("-" * w for w in widths)]
+    i = 1
     for section, figs in report.sections.items():
+        if not figs:
+            continue
+        out.append(f"{section}")
         for f in figs:
-            rs = f.ratios
-            rows.append(
-                (
-                    section,
-                    f.label,
-                    f.base_name,
-                    _spread(f, f.base),
-                    _spread(f, f.ours),
-                    f"{f.ratio:.2f}x" + (f" ({min(rs):.2f}-{max(rs):.2f})" if len(rs) > 1 else ""),
-                    str(len(rs)),
-                )
-            )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+            out += textwrap.wrap(f.label, width, initial_indent="  ", subsequent_indent="    ")
+            out.append(line(rows[i]))
+            i += 1
+    return "\n".join(out)
 
 
 def plot(report: Report, path: str | Path) -> None:
-    """A bar per figure: mmferry's advantage (median ratio, whiskers min-max), saved to `path`."""
+    """mmferry's advantage per figure (median ratio, the min-max range drawn as a bar) on a
+    log axis with 1x marked; every label whole (wrapped), numbered as in the table."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         raise ImportError("--plot needs matplotlib: pip install 'mmferry[plot]'") from None
     figs = [(s, f) for s, fs in report.sections.items() for f in fs]
-    labels = [f"{s}: {f.label}"[:70] for s, f in figs]
-    mids = [f.ratio for _, f in figs]
-    lo = [f.ratio - min(f.ratios) for _, f in figs]
-    hi = [max(f.ratios) - f.ratio for _, f in figs]
-    fig, ax = plt.subplots(figsize=(10, 0.4 * len(figs) + 1.5))
-    ax.barh(range(len(figs)), mids, xerr=[lo, hi], color="tab:blue", capsize=3)
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_yticks(range(len(figs)), labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("mmferry advantage over the baseline (x, median; whiskers: min-max)")
+    labels = ["\n".join(textwrap.wrap(f"{s}: {f.label} (vs {f.base_name})", 60)) for s, f in figs]
+    heights = [0.28 * label.count("\n") + 0.45 for label in labels]
+    ys, y = [], 0.0
+    for h in heights:
+        ys.append(y + h / 2)
+        y += h
+    fig, ax = plt.subplots(figsize=(12, y + 1.6))
+    for yi, (_, f) in zip(ys, figs):
+        lo, hi = min(f.ratios), max(f.ratios)
+        color = "tab:blue" if f.ratio >= 1 else "tab:red"
+        ax.plot([lo, hi], [yi, yi], color=color, linewidth=6, alpha=0.35, solid_capstyle="butt")
+        ax.plot([f.ratio], [yi], "o", color=color)
+        ax.annotate(
+            f"{f.ratio:.2f}x", (f.ratio, yi), textcoords="offset points", xytext=(6, 4), fontsize=7
+        )
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.text(
+        1.0,
+        1.01,
+        "1x = parity",
+        transform=ax.get_xaxis_transform(),
+        ha="center",
+        va="bottom",
+        fontsize=7,
+    )
+    ax.set_yticks(ys, labels, fontsize=7)
+    ax.set_ylim(y, 0)
+    ax.set_xlabel(
+        "mmferry's advantage over the baseline (x, log scale): dot = median of the "
+        "rounds, bar = min to max"
+    )
     ax.set_title(machine(), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
