@@ -1,7 +1,7 @@
 """Greedy generation with transformers' Qwen-VL language model, fed only by mmferry.
 
-    python examples/generate.py --model-dir /path/to/Qwen3-VL-2B-Instruct
-    python examples/generate.py --model-dir /path/to/Qwen2.5-VL-3B-Instruct --chunk-size 256
+    python examples/generate.py --model /path/to/Qwen3-VL-2B-Instruct
+    python examples/generate.py --model /path/to/Qwen2.5-VL-3B-Instruct --chunk-size 256
 
 mmferry does everything up to the language model: preprocessing, prompt expansion, the vision
 encoder (loaded from the same checkpoint), and one `prefill_step` per chunk giving the input
@@ -85,7 +85,13 @@ def main() -> None:
     from mmferry.preprocess.samples import sample_images
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-dir", required=True, help="a local Qwen-VL checkpoint folder")
+    ap.add_argument(
+        "--model",
+        "--model-dir",
+        dest="model_dir",
+        required=True,
+        help="a local Qwen-VL checkpoint folder",
+    )
     ap.add_argument("--images", nargs="*", help="image files (default: the bundled samples)")
     ap.add_argument("--question", default="Describe the images.")
     ap.add_argument("--max-new-tokens", type=int, default=64)

@@ -1,7 +1,7 @@
 """Data-parallel vision encoding with torchrun: every rank encodes a share, all get every output.
 
     torchrun --nproc-per-node 2 examples/sharded_encode.py
-    torchrun --nproc-per-node 8 examples/sharded_encode.py --model-dir /path/to/Qwen3-VL
+    torchrun --nproc-per-node 8 examples/sharded_encode.py --model /path/to/Qwen3-VL
 
 NCCL with one GPU per rank when CUDA is available, gloo on CPUs otherwise. The features stay on
 the CPU (as when a device feature pool has fallen back to host memory); the sharded path
@@ -22,7 +22,7 @@ from mmferry.encoder.sharded import encode_sharded, plan_for
 from mmferry.items import MultimodalItem
 from mmferry.models import spec_for
 
-# The tiny Qwen3-VL tower; `--model-dir` loads a real checkpoint instead.
+# The tiny Qwen3-VL tower; `--model` loads a real checkpoint instead.
 TINY = spec_for("qwen3_vl").tiny_config
 
 
@@ -47,7 +47,10 @@ def demo_items(cfg: VisionConfig) -> list[MultimodalItem]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--model-dir", help="a Qwen-VL checkpoint folder (default: a tiny random tower)"
+        "--model",
+        "--model-dir",
+        dest="model_dir",
+        help="a Qwen-VL checkpoint folder (default: a tiny random tower)",
     )
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
