@@ -5,6 +5,10 @@ keyframe lies between the decoder's position and the next wanted frame, the deco
 it instead of decoding the frames in between. Frames are matched by their presentation
 times, so the pixels are those of a decode from the start. Each wanted frame is resized as it
 is decoded, so a clip never holds more than its resized frames plus one decoded frame.
+
+Frame i is the i-th frame a decode from the start yields: frames an MP4 edit list discards
+(pre-roll kept only as references) count for neither indices nor times, and times are
+presentation times from the first frame shown.
 """
 
 from __future__ import annotations
@@ -70,10 +74,18 @@ def probe_video(data: bytes, name: str) -> VideoInfo:
     with container:
         rate = stream.average_rate or stream.guessed_rate or stream.base_rate
         try:
-            packets = [(p.pts, p.is_keyframe) for p in container.demux(stream) if p.size]
+            # NOTE: a packet an edit list discards (pre-roll decoded only as a reference) gives
+            # no frame, and a demuxer drops from its index whole GOPs before the edit, so the
+            # header's frame count can be larger than what a decode yields: the frames are
+            # the packets that are kept.
+            packets = [
+                (p.pts, p.is_keyframe)
+                for p in container.demux(stream)
+                if p.size and not p.is_discard
+            ]
         except (av.FFmpegError, OSError, ValueError) as e:
             raise ValueError(f"cannot decode video {name}: corrupt ({e})") from None
-        total = stream.frames or len(packets)
+        total = len(packets)
         height, width = stream.codec_context.height, stream.codec_context.width
         time_base = stream.time_base
     if total < 1:
