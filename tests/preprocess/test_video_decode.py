@@ -1,5 +1,5 @@
-"""Container quirks the seeking decoder must survive: MP4 edit lists. A full PyAV decode of the
-same file is the oracle for which frame index i is."""
+"""Container quirks the seeking decoder must survive: MP4 edit lists and missing sync-sample
+tables. A full PyAV decode of the same file is the oracle for which frame index i is."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from mmferry.preprocess.video import process_video
 from mmferry.preprocess.video_decode import VideoInfo, decode_frames, probe_video
 
 from . import reference as ref
-from .video_files import SeekLog, edit_list, full_decode, write_video
+from .video_files import SeekLog, edit_list, find_box, full_decode, rename_box, write_video
 
 CFG = preset("qwen3-vl")
+STSS = [b"moov", b"trak", b"mdia", b"minf", b"stbl", b"stss"]
 
 
 def _decode(data: bytes, indices: list[int], info: VideoInfo) -> np.ndarray:
@@ -45,7 +46,7 @@ def test_edit_list_discarded_frames_count_for_neither_indices_nor_times(
     log = SeekLog(monkeypatch)
     got = _decode(data, indices, info)
     log.assert_seek_path_succeeded(min_seeks=3)
-    assert np.array_equal(got, want[indices])
+    np.testing.assert_array_equal(got, want[indices])
 
 
 @pytest.mark.parametrize("codec", ["mpeg4", "libx264"])
@@ -59,3 +60,31 @@ def test_edit_list_video_item_samples_the_presented_frames(codec):
     assert item.grid_thw == oracle.grid_thw
     assert torch.equal(item.feature, oracle.feature)
     assert item.timestamps == pytest.approx(oracle.timestamps, abs=1e-9)
+
+
+@pytest.mark.parametrize("codec", ["mpeg4", "libx264"])
+def test_mp4_without_sync_sample_table(codec):
+    """No `stss` box: MP4 then calls every sample a keyframe. Seeking to a frame that needs
+    its references must not pass off a frame decoded without them."""
+    data = write_video(codec, ref.moving_frames(120, 64, 96, seed=7), gop=12)
+    data = rename_box(data, STSS, b"free")
+    want, _ = full_decode(data)
+    assert len(want) == 120
+    info = probe_video(data, "clip")
+    if codec == "mpeg4":  # the demuxer takes the container's word: all 120 are keyframes
+        assert info.keyframes == tuple(range(120))
+    indices = [0, 5, 17, 40, 41, 77, 119]
+    np.testing.assert_array_equal(_decode(data, indices, info), want[indices])
+
+
+def test_intra_only_video_still_seeks(monkeypatch):
+    """Every MJPEG frame is a keyframe: the keyframe check keeps the seek path for it."""
+    data = write_video("mjpeg", ref.moving_frames(60, 64, 96, seed=8))
+    assert find_box(data, STSS) is None  # all samples are sync samples: no table written
+    want, _ = full_decode(data)
+    indices = [0, 5, 17, 40, 41, 59]
+    info = probe_video(data, "clip")
+    log = SeekLog(monkeypatch)
+    got = _decode(data, indices, info)
+    log.assert_seek_path_succeeded(min_seeks=4)
+    np.testing.assert_array_equal(got, want[indices])
