@@ -2,7 +2,7 @@
 
 A full PyAV decode, independent of mmferry's seek path, is the oracle for which frame index i
 is and when it is shown. `SeekLog` records how mmferry's decoder read a file, so tests can
-assert that the seek path itself succeeded rather than its fallback.
+assert that the seek path itself succeeded, not its fallback.
 """
 
 from __future__ import annotations
@@ -128,24 +128,26 @@ class _Container:
 
 
 class SeekLog:
-    """Counts how often the video decoder opens a file and seeks in it.
-
-    The seek path opens a file once; when it misses, the fallback opens it again and decodes
-    from the start.
-    """
+    """Records how the video decoder reads files: each decode (with the probe's seek table, or
+    from the start: the fallback when the seek path misses) and each seek."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.opens = 0
+        self.decodes: list[str] = []
         self.seeks: list[tuple[Any, ...]] = []
-        real_open = video_decode._open
+        real_open, real_decode = video_decode._open, video_decode._decode
 
         def recording_open(av_mod: Any, data: bytes, name: str) -> tuple[Any, Any]:
             container, stream = real_open(av_mod, data, name)
-            self.opens += 1
             return _Container(container, self.seeks), stream
 
+        def recording_decode(*args: Any) -> Any:
+            info = args[-1]
+            self.decodes.append("seek table" if info is not None else "from the start")
+            return real_decode(*args)
+
         monkeypatch.setattr(video_decode, "_open", recording_open)
+        monkeypatch.setattr(video_decode, "_decode", recording_decode)
 
     def assert_seek_path_succeeded(self, min_seeks: int = 1) -> None:
+        assert self.decodes == ["seek table"], self.decodes
         assert len(self.seeks) >= min_seeks, f"{len(self.seeks)} seek(s)"
-        assert self.opens == 1, "the seek path fell back to a decode from the start"
