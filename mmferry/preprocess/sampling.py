@@ -47,18 +47,29 @@ def _real(value: object, name: str) -> float:
     return float(value)
 
 
-def _check_request(fps: float | None, num_frames: int | None) -> int | None:
-    """Validates the caller's fps / num_frames; returns num_frames as an int."""
+def check_request(
+    fps: float | None, num_frames: int | None, source_fps: float | None = None
+) -> tuple[float | None, int | None, float | None]:
+    """The caller's fps / num_frames / source_fps, validated, as Python float / int / float.
+
+    numpy scalars are accepted; returning plain Python numbers makes 4, 4.0 and np.int64(4)
+    frames one setting (the item hash serialises the settings as JSON).
+    """
     if fps is not None and num_frames is not None:
         raise ValueError("pass either fps or num_frames, not both")
-    if fps is not None and _real(fps, "fps") <= 0:
-        raise ValueError(f"fps must be positive, got {fps!r}")
-    if num_frames is None:
-        return None
-    count = _real(num_frames, "num_frames")
-    if count != int(count) or count < 1:
-        raise ValueError(f"num_frames must be a whole number >= 1, got {num_frames!r}")
-    return int(count)
+    if fps is not None:
+        rate = _real(fps, "fps")
+        if rate <= 0:
+            raise ValueError(f"fps must be positive, got {fps!r}")
+        fps = rate
+    if num_frames is not None:
+        count = _real(num_frames, "num_frames")
+        if count != int(count) or count < 1:
+            raise ValueError(f"num_frames must be a whole number >= 1, got {num_frames!r}")
+        num_frames = int(count)
+    if source_fps is not None:
+        source_fps = check_source_fps(source_fps)
+    return fps, num_frames, source_fps
 
 
 def sample_indices(
@@ -72,7 +83,7 @@ def sample_indices(
     """Indices (ascending, into `total` frames) of the frames to keep."""
     if total < 1:
         raise ValueError("a video needs at least one frame")
-    num_frames = _check_request(fps, num_frames)
+    fps, num_frames, _ = check_request(fps, num_frames)
     source_fps = check_source_fps(source_fps)
     if fps is None and num_frames is None:
         # The processor's own settings, as transformers applies them.

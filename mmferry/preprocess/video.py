@@ -26,7 +26,7 @@ from mmferry.preprocess.hashing import identity_nbytes, item_hash
 from mmferry.preprocess.image import check_layout
 from mmferry.preprocess.patchify import patchify, resize_u8
 from mmferry.preprocess.sampling import (
-    check_source_fps,
+    check_request,
     frame_timestamps,
     sample_indices,
     video_target_size,
@@ -111,8 +111,6 @@ def _sampled_frames(
     The hash of the identity parts is started (`start_hash`) before the frames are sampled,
     decoded and resized, so it runs alongside that work.
     """
-    if source_fps is not None:
-        check_source_fps(source_fps)
     if _is_frame_sequence(source):
         if source_fps is None:
             raise ValueError(
@@ -179,6 +177,8 @@ def process_video(
     check_layout(layout)
     threads = preprocess_threads(threads)
     name = describe(source) if not isinstance(source, list) else f"<{len(source)} frames>"
+    # Validated before any decoding; numpy scalars become the Python numbers they equal.
+    fps, num_frames, source_fps = check_request(fps, num_frames, source_fps)
     settings = json.dumps({"fps": fps, "num_frames": num_frames, "source_fps": source_fps})
     with ExitStack() as hashing:
         # NOTE: frame sources are keyed by all their given frames, often more bytes than the

@@ -3,8 +3,15 @@
 Inter-frame codecs decode every frame from the last keyframe, but no further back: when a
 keyframe lies between the decoder's position and the next wanted frame, the decoder seeks to
 it instead of decoding the frames in between. Frames are matched by their presentation
-times, so the pixels are those of a decode from the start. Each wanted frame is resized as it
-is decoded, so a clip never holds more than its resized frames plus one decoded frame.
+times, and the frame a seek lands on must be one the decoder calls a keyframe (the
+container's flags alone are not trusted), so the pixels are those of a decode from the start;
+when either check fails, the clip is decoded from the start instead. Each wanted frame is
+resized as it is decoded, so a clip never holds more than its resized frames plus one decoded
+frame.
+
+Frame i is the i-th frame a decode from the start yields: frames an MP4 edit list discards
+(pre-roll kept only as references) count for neither indices nor times, and times are
+presentation times from the first frame shown.
 """
 
 from __future__ import annotations
@@ -70,10 +77,18 @@ def probe_video(data: bytes, name: str) -> VideoInfo:
     with container:
         rate = stream.average_rate or stream.guessed_rate or stream.base_rate
         try:
-            packets = [(p.pts, p.is_keyframe) for p in container.demux(stream) if p.size]
+            # NOTE: a packet an edit list discards (pre-roll decoded only as a reference) gives
+            # no frame, and a demuxer drops from its index whole GOPs before the edit, so the
+            # header's frame count can be larger than what a decode yields: the frames are
+            # the packets that are kept.
+            packets = [
+                (p.pts, p.is_keyframe)
+                for p in container.demux(stream)
+                if p.size and not p.is_discard
+            ]
         except (av.FFmpegError, OSError, ValueError) as e:
             raise ValueError(f"cannot decode video {name}: corrupt ({e})") from None
-        total = stream.frames or len(packets)
+        total = len(packets)
         height, width = stream.codec_context.height, stream.codec_context.width
         time_base = stream.time_base
     if total < 1:
@@ -132,6 +147,7 @@ def _decode(
     out: np.ndarray | None = None
     size: tuple[int, int] = (0, 0)
     pos, seen, frames = 0, 0, container.decode(stream)
+    landed = True  # False from a seek until the decoder shows it landed on a keyframe
     keyframes = np.asarray(info.keyframes) if info is not None else None
 
     def take(frame: Any, slots: list[int]) -> None:
@@ -161,12 +177,20 @@ def _decode(
                     key = int(keyframes[at - 1])  # the last keyframe at or before idx
                     if key > pos:  # it lies ahead of the decoder: skip the frames before it
                         container.seek(info.pts[key], backward=True, stream=stream)
-                        frames, pos = container.decode(stream), key
+                        frames, pos, landed = container.decode(stream), key, False
                 for frame in frames:
                     if keyframes is not None and frame.pts != info.pts[pos]:
                         if frame.pts is not None and frame.pts < info.pts[pos]:
                             continue  # a leading frame of an open GOP, before the seek point
                         raise _SeekMissed
+                    if not landed:
+                        # NOTE: a container's keyframe flags can be wrong (an MP4 without a
+                        # sync-sample table flags every packet); only the decoder knows that
+                        # the frame a seek lands on needed no earlier frame. Trusting the
+                        # flags returns frames decoded without their references.
+                        if not frame.key_frame:
+                            raise _SeekMissed
+                        landed = True
                     pos += 1
                     seen = max(seen, pos)
                     if pos - 1 == idx:

@@ -27,6 +27,7 @@ from mmferry.preprocess.video import process_video
 
 from . import reference as ref
 from .conftest import encode, gradient
+from .video_files import SeekLog
 
 CFG = preset("qwen3-vl")
 
@@ -130,35 +131,12 @@ def test_seeking_decode_gives_the_frames_of_a_full_decode(tmp_path, monkeypatch,
     data = path.read_bytes()
     info = video_decode.probe_video(data, "gop")
     assert len(info.keyframes) >= 20
-    seeks = []
-    real_open = video_decode._open
-
-    class Counting:  # PyAV containers' methods are read-only: wrap the container
-        def __init__(self, container):
-            self.container = container
-
-        def seek(self, *args, **kwargs):
-            seeks.append(args)
-            return self.container.seek(*args, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(self.container, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return self.container.__exit__(*exc)
-
-    def counting_open(av_mod, data, name):
-        container, stream = real_open(av_mod, data, name)
-        return Counting(container), stream
-
     indices = [0, 3, 40, 41, 41, 150, 299]
     size = lambda h, w: (h, w)  # noqa: E731
-    monkeypatch.setattr(video_decode, "_open", counting_open)
+    log = SeekLog(monkeypatch)
     fast = video_decode.decode_frames(data, "gop", indices, lambda h, w: None, size, info)
-    assert len(seeks) >= 3  # the gaps 3 -> 40 -> 150 -> 299 each pass keyframes
+    # the gaps 3 -> 40 -> 150 -> 299 each pass keyframes, and the seeks found their frames
+    log.assert_seek_path_succeeded(min_seeks=3)
     slow = video_decode.decode_frames(data, "gop", indices, lambda h, w: None, size, None)
     assert torch.equal(fast, slow)
     # and against transformers' reader, which decodes every frame
@@ -168,10 +146,12 @@ def test_seeking_decode_gives_the_frames_of_a_full_decode(tmp_path, monkeypatch,
     assert torch.equal(fast.permute(0, 2, 3, 1), torch.from_numpy(want[indices]))
 
 
-def test_seeking_video_item_matches_transformers(tmp_path):
+def test_seeking_video_item_matches_transformers(tmp_path, monkeypatch):
     path = tmp_path / "gop.mp4"
     _gop_video(path, 300, 10)
+    log = SeekLog(monkeypatch)
     item = process_video(path, CFG, layout="hf", fps=0.5)
+    log.assert_seek_path_succeeded(min_seeks=4)  # frames 0, 75, 150, 224, 299; keyint 10
     from transformers.video_utils import read_video_pyav
 
     frames, meta = read_video_pyav(

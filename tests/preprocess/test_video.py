@@ -192,3 +192,34 @@ def test_frame_array_hash_follows_content():
     changed[5, 0, 0, 0] ^= 1  # one value in a frame that sampling keeps
     assert process_video(changed, cfg, layout="compact-u8", source_fps=6).hash != a.hash
     assert process_video(frames, cfg, layout="compact-u8", source_fps=3).hash != a.hash
+
+
+def test_numpy_scalar_rates_and_counts(videos):
+    """numpy scalars are numbers: they sample, encode and hash as the Python numbers do."""
+    cfg = preset("qwen3-vl")
+    frames = ref.moving_frames(8, 32, 48, seed=4)
+    cases = [
+        (
+            {"num_frames": 4, "source_fps": 4},
+            {"num_frames": np.int64(4), "source_fps": np.float32(4)},
+        ),
+        ({"num_frames": 4, "source_fps": 4}, {"num_frames": 4.0, "source_fps": 4.0}),
+        ({"fps": 2, "source_fps": 4}, {"fps": np.float32(2), "source_fps": np.float64(4)}),
+    ]
+    for plain, numpy_kw in cases:
+        want = process_video(frames, cfg, layout="compact-u8", **plain)
+        got = process_video(frames, cfg, layout="compact-u8", **numpy_kw)
+        assert torch.equal(got.feature, want.feature)
+        assert (got.hash, got.timestamps) == (want.hash, want.timestamps)
+    want = process_video(videos[300], cfg, layout="compact-u8", num_frames=6)
+    got = process_video(videos[300], cfg, layout="compact-u8", num_frames=np.uint16(6))
+    assert torch.equal(got.feature, want.feature) and got.hash == want.hash
+    for kw, match in [
+        ({"fps": np.float32("nan")}, "fps must be finite"),
+        ({"num_frames": np.int64(0)}, "num_frames must be a whole number"),
+        ({"num_frames": np.float64(2.5)}, "num_frames must be a whole number"),
+        ({"num_frames": np.bool_(True)}, "num_frames must be a number"),
+        ({"source_fps": np.float32(0)}, "source_fps must be a frame rate between"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            process_video(frames, cfg, **{"source_fps": 4, **kw})
