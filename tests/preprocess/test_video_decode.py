@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmferry.config import preset
+from mmferry.models import preset
 from mmferry.preprocess.sampling import frame_timestamps, sample_indices
 from mmferry.preprocess.video import process_video
 from mmferry.preprocess.video_decode import VideoInfo, decode_frames, probe_video
