@@ -1,6 +1,7 @@
 """Which frames of a video to keep, their timestamps, and each frame's pixel budget.
 
-Each family's spec (`mmferry/models/`) picks one rule of each kind; the rules follow
+Each family's spec (`mmferry/models/`) picks one rule of each kind (`preprocess/video.py`
+applies the spec's choice); the rules follow
 transformers 5.24: `even_indices` / `per_frame_size` are `Qwen3VLVideoProcessor`'s and
 `stride_indices` / `whole_clip_size` are `Qwen2VLVideoProcessor`'s, with two
 deliberate differences that only matter where transformers fails: a clip shorter than the
@@ -72,31 +73,6 @@ def check_request(
     return fps, num_frames, source_fps
 
 
-def sample_indices(
-    cfg: ProcessorConfig,
-    total: int,
-    source_fps: float,
-    *,
-    fps: float | None = None,
-    num_frames: int | None = None,
-) -> list[int]:
-    """Indices (ascending, into `total` frames) of the frames to keep."""
-    if total < 1:
-        raise ValueError("a video needs at least one frame")
-    fps, num_frames, _ = check_request(fps, num_frames)
-    source_fps = check_source_fps(source_fps)
-    if fps is None and num_frames is None:
-        # The processor's own settings, as transformers applies them.
-        if not cfg.do_sample_frames:
-            return list(range(total))
-        fps, num_frames = (None, cfg.num_frames) if cfg.num_frames else (cfg.fps, None)
-    if fps is not None and (fps <= 0 or source_fps <= 0):
-        raise ValueError(f"fps and source fps must be positive, got {fps} and {source_fps}")
-    from mmferry.models import spec_for
-
-    return spec_for(cfg.family).sample_frames(cfg, total, source_fps, fps, num_frames)
-
-
 def even_indices(
     cfg: ProcessorConfig, total: int, source_fps: float, fps: float | None, num_frames: int | None
 ) -> list[int]:
@@ -150,18 +126,6 @@ def frame_timestamps(
     else:
         times = [frame_times[i] for i in padded]
     return tuple((times[k] + times[k + temporal - 1]) / 2 for k in range(0, len(times), temporal))
-
-
-def video_target_size(
-    cfg: ProcessorConfig, num_frames: int, height: int, width: int
-) -> tuple[int, int]:
-    """(height, width) every sampled frame is resized to.
-
-    `num_frames` is the sampled count before odd-count padding (as transformers sizes it).
-    """
-    from mmferry.models import spec_for
-
-    return spec_for(cfg.family).frame_size(cfg, num_frames, height, width)
 
 
 def per_frame_size(

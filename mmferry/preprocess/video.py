@@ -25,12 +25,7 @@ from mmferry.preprocess.decode import decode_image, describe, pixels_identity, r
 from mmferry.preprocess.hashing import identity_nbytes, item_hash
 from mmferry.preprocess.image import check_layout
 from mmferry.preprocess.patchify import patchify, resize_u8
-from mmferry.preprocess.sampling import (
-    check_request,
-    frame_timestamps,
-    sample_indices,
-    video_target_size,
-)
+from mmferry.preprocess.sampling import check_request, check_source_fps, frame_timestamps
 from mmferry.preprocess.threads import (
     alongside,
     intra_op_threads,
@@ -38,6 +33,39 @@ from mmferry.preprocess.threads import (
     threads_for,
 )
 from mmferry.preprocess.video_decode import decode_frames, probe_video
+
+
+def sample_indices(
+    cfg: ProcessorConfig,
+    total: int,
+    source_fps: float,
+    *,
+    fps: float | None = None,
+    num_frames: int | None = None,
+) -> list[int]:
+    """Indices (ascending, into `total` frames) of the frames to keep."""
+    if total < 1:
+        raise ValueError("a video needs at least one frame")
+    fps, num_frames, _ = check_request(fps, num_frames)
+    source_fps = check_source_fps(source_fps)
+    if fps is None and num_frames is None:
+        # The processor's own settings, as transformers applies them.
+        if not cfg.do_sample_frames:
+            return list(range(total))
+        fps, num_frames = (None, cfg.num_frames) if cfg.num_frames else (cfg.fps, None)
+    if fps is not None and (fps <= 0 or source_fps <= 0):
+        raise ValueError(f"fps and source fps must be positive, got {fps} and {source_fps}")
+    return spec_for(cfg.family).sample_frames(cfg, total, source_fps, fps, num_frames)
+
+
+def video_target_size(
+    cfg: ProcessorConfig, num_frames: int, height: int, width: int
+) -> tuple[int, int]:
+    """(height, width) every sampled frame is resized to.
+
+    `num_frames` is the sampled count before odd-count padding (as transformers sizes it).
+    """
+    return spec_for(cfg.family).frame_size(cfg, num_frames, height, width)
 
 
 def _frames(

@@ -21,9 +21,8 @@ from mmferry.preprocess import video_decode
 from mmferry.preprocess.decode import decode_image
 from mmferry.preprocess.image import process_image
 from mmferry.preprocess.patchify import _patch_view, norm_affine, patchify
-from mmferry.preprocess.sampling import sample_indices
 from mmferry.preprocess.threads import ENV_THREADS, preprocess_threads
-from mmferry.preprocess.video import process_video
+from mmferry.preprocess.video import process_video, sample_indices
 
 from . import reference as ref
 from .conftest import encode, gradient

@@ -23,8 +23,8 @@ from PIL import Image
 
 from mmferry.models import preset
 from mmferry.preprocess.image import process_image
-from mmferry.preprocess.sampling import frame_timestamps, sample_indices
-from mmferry.preprocess.video import process_video
+from mmferry.preprocess.sampling import frame_timestamps
+from mmferry.preprocess.video import process_video, sample_indices
 
 from . import reference as ref
 from .conftest import encode, gradient

@@ -18,7 +18,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
 from mmferry import smart_resize
 from mmferry.models import preset
 from mmferry.preprocess.resize import smart_resize_video
-from mmferry.preprocess.sampling import video_target_size
+from mmferry.preprocess.video import video_target_size
 
 from .reference import import_without_torchvision
 

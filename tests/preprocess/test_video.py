@@ -20,8 +20,8 @@ from transformers.video_utils import VideoMetadata, read_video_pyav
 
 from mmferry.models import preset
 from mmferry.preprocess.samples import sample_video
-from mmferry.preprocess.sampling import frame_timestamps, sample_indices
-from mmferry.preprocess.video import process_video
+from mmferry.preprocess.sampling import frame_timestamps
+from mmferry.preprocess.video import process_video, sample_indices
 from mmferry.testing.layouts import compact_to_hf
 
 from . import reference as ref

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mmferry.models import preset
-from mmferry.preprocess.sampling import frame_timestamps, sample_indices
-from mmferry.preprocess.video import process_video
+from mmferry.preprocess.sampling import frame_timestamps
+from mmferry.preprocess.video import process_video, sample_indices
 from mmferry.preprocess.video_decode import VideoInfo, decode_frames, probe_video
 
 from . import reference as ref
