@@ -49,7 +49,7 @@ def valid_names() -> tuple[str, ...]:
 
 def _unknown(names: list[str], where: str = "") -> UnknownOptionError:
     return UnknownOptionError(
-        f"unknown processor option(s){where}: {', '.join(sorted(names))}; valid names: "
+        f"unknown processor setting(s){where}: {', '.join(sorted(names))}; valid names: "
         f"{', '.join(valid_names())}"
     )
 
