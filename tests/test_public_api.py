@@ -13,7 +13,14 @@ import mmferry as mf
 README = Path(__file__).resolve().parent.parent / "README.md"
 # A group's first line: **Group** (`mmferry.sub`) — `name`, `name`, ...  (package optional)
 GROUP = re.compile(r"^\*\*[^*]+\*\*(?: \(`(mmferry(?:\.\w+)*)`\))? — (.+)$", re.M)
-PACKAGES = ["mmferry", "mmferry.transport", "mmferry.encoder", "mmferry.feed", "mmferry.models"]
+PACKAGES = [
+    "mmferry",
+    "mmferry.transport",
+    "mmferry.encoder",
+    "mmferry.feed",
+    "mmferry.models",
+    "mmferry.chat",
+]
 
 
 def readme_lists() -> dict[str, set[str]]:
