@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +11,8 @@ from mmferry.items import Layout, MultimodalItem
 from mmferry.models import load_model_config, preset, spec_for
 
 if TYPE_CHECKING:
+    from mmferry.chat.apply import ChatPrompt
+    from mmferry.chat.parts import SourcePolicy
     from mmferry.prompt.expand import ExpandedPrompt
     from mmferry.prompt.mrope import Advance
     from mmferry.prompt.tokenizer import TimestampTokenizer
@@ -20,26 +22,69 @@ class Processor:
     """Turns images, videos and prompts into `MultimodalItem`s and expanded token ids."""
 
     def __init__(
-        self, config: ProcessorConfig, tokenizer: TimestampTokenizer | str | Path | None = None
+        self,
+        config: ProcessorConfig,
+        tokenizer: TimestampTokenizer | str | Path | None = None,
+        *,
+        chat_template: str | dict[str, str] | None = None,
+        model_dir: str | Path | None = None,
     ) -> None:
         spec_for(config.family)  # a clear error now for an unknown family, not at first use
         self.config = config
         self._tokenizer = tokenizer
+        # The folder the chat template and special tokens are read from, when first needed.
+        self.model_dir = None if model_dir is None else Path(model_dir)
+        self._chat_template = chat_template
 
     @classmethod
     def for_model(cls, name: str, **overrides: Any) -> Processor:
-        """A preset equal to the public checkpoint's defaults ("qwen3-vl", "qwen2.5-vl", ...)."""
+        """A preset equal to the public checkpoint's defaults ("qwen3-vl", "qwen2.5-vl", ...).
+
+        `overrides`: processor options as transformers spells them or `ProcessorConfig` fields
+        (see `mmferry.chat.options`), plus `tokenizer=` and `chat_template=`."""
+        from mmferry.chat.options import apply_options
+
         tokenizer = overrides.pop("tokenizer", None)
-        return cls(preset(name).replace(**overrides), tokenizer)
+        template = overrides.pop("chat_template", None)
+        return cls(apply_options(preset(name), overrides), tokenizer, chat_template=template)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **overrides: Any) -> Processor:
-        """Read a local checkpoint folder's config.json, preprocessor configs and tokenizer.json."""
+        """Read a local checkpoint folder's config.json, preprocessor configs and tokenizer.json
+        (the chat template too, when first used); `overrides` as in `for_model`."""
+        from mmferry.chat.options import apply_options
+
         root = Path(model_dir)
         tokenizer = overrides.pop("tokenizer", None)
+        template = overrides.pop("chat_template", None)
         if tokenizer is None and (root / "tokenizer.json").is_file():
             tokenizer = root / "tokenizer.json"
-        return cls(load_model_config(root).processor.replace(**overrides), tokenizer)
+        config = apply_options(load_model_config(root).processor, overrides)
+        return cls(config, tokenizer, chat_template=template, model_dir=root)
+
+    def with_options(self, options: dict[str, Any]) -> Processor:
+        """This processor with processor options applied (same tokenizer and template)."""
+        from mmferry.chat.options import apply_options
+
+        out = Processor(apply_options(self.config, options), self._tokenizer)
+        out.model_dir, out._chat_template = self.model_dir, self._chat_template
+        return out
+
+    @property
+    def chat_template(self) -> str | dict[str, str] | None:
+        """The chat template (a dict when the checkpoint names several); None if unknown."""
+        if self._chat_template is None and self.model_dir is not None:
+            from mmferry.chat.template import find_chat_template
+
+            self._chat_template = find_chat_template(self.model_dir)
+        return self._chat_template
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The special-token strings templates may use (`eos_token`, ...)."""
+        from mmferry.chat.template import special_tokens
+
+        return special_tokens(self.model_dir)
 
     @property
     def has_tokenizer(self) -> bool:
@@ -89,6 +134,47 @@ class Processor:
             num_frames=num_frames,
             source_fps=source_fps,
             threads=threads,
+        )
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool | str = False,
+        tokenize: bool = False,
+        return_dict: bool = False,
+        processor_kwargs: Mapping[str, Any] | None = None,
+        *,
+        layout: Layout = "hf",
+        sources: SourcePolicy | None = None,
+        mrope_advance: Advance = "extent",
+        **template_kwargs: Any,
+    ) -> str | list[int] | ChatPrompt:
+        """transformers' `apply_chat_template`, same parameters and defaults: the rendered text;
+        with `tokenize=True` the expanded ids; with `return_dict=True` too, a `ChatPrompt`
+        (text, expanded prompt, items). `sources` says what parts may read (default: the
+        paths named, no network); bad messages raise one ValueError naming message and part."""
+        from mmferry.chat.apply import apply_chat_template
+        from mmferry.chat.parts import LIBRARY_POLICY
+
+        return apply_chat_template(
+            self,
+            messages,
+            chat_template,
+            tools,
+            documents,
+            add_generation_prompt,
+            continue_final_message,
+            tokenize,
+            return_dict,
+            processor_kwargs,
+            layout=layout,
+            sources=sources or LIBRARY_POLICY,
+            mrope_advance=mrope_advance,
+            **template_kwargs,
         )
 
     def expand_prompt(

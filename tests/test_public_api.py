@@ -20,6 +20,7 @@ PACKAGES = [
     "mmferry.feed",
     "mmferry.models",
     "mmferry.testing",
+    "mmferry.chat",
 ]
 
 

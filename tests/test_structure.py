@@ -18,7 +18,18 @@ def _imports(path: Path) -> set[str]:
     """Every mmferry module `path` imports, wherever the import statement sits."""
     out: set[str] = set()
     modules = {_module_name(p) for p in PKG.rglob("*.py")}
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    # Imports for type checkers only never run.
+    typing_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for stmt in block.body
+        for n in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:

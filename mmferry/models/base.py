@@ -60,6 +60,9 @@ class ModelSpec:
     # the video's mRoPE time axis (Qwen2.5-VL, `tokens_per_second`).
     timestamps_in_prompt: bool = False
     video_time_in_mrope: bool = False
+    # The family's transformers video processor takes `min_pixels` / `max_pixels` options
+    # (Qwen2VLVideoProcessor does; Qwen3-VL's reads only `size`), see `mmferry.chat.options`.
+    video_takes_pixel_options: bool = False
 
     def vision_from_hf(self, vision: Mapping[str, Any]) -> VisionConfig:
         """Our `VisionConfig` from a config.json `vision_config` dict (the table, applied)."""

@@ -207,6 +207,7 @@ QWEN2_VL = ModelSpec(
     tower=partial(Qwen2VisionTower, windowed=False),
     sample_frames=stride_indices,
     frame_size=whole_clip_size,
+    video_takes_pixel_options=True,
 )
 
 QWEN2_5_VL = ModelSpec(
@@ -249,6 +250,7 @@ QWEN2_5_VL = ModelSpec(
     windowed=True,
     sample_frames=stride_indices,
     frame_size=whole_clip_size,
+    video_takes_pixel_options=True,
     video_time_in_mrope=True,
 )
 

@@ -40,9 +40,14 @@ class CachedTokenizer:
 
         # NOTE: cached values are tuples so no caller can mutate a shared entry.
         self._encode = functools.lru_cache(maxsize=maxsize)(encode_once)
+        self._encode_once = encode_once
 
     def encode(self, text: str) -> list[int]:
         return list(self._encode(text))
+
+    def encode_uncached(self, text: str) -> list[int]:
+        """Ids of text seen once (a whole rendered prompt), kept out of the cache."""
+        return list(self._encode_once(text))
 
     def encode_cached(self, text: str) -> tuple[int, ...]:
         """The cached ids as an immutable tuple (no copy)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.stress import run_stress
+from mmferry.bench.stress import run_stress
 
 
 def test_stress_every_delivery_intact_every_slot_reclaimed_no_segment_left():

@@ -1,0 +1,130 @@
+"""A parsed `MediaPart` -> a `MultimodalItem`, by the processor's rules or qwen-vl-utils' keys.
+
+- An image or a video file with no per-item keys is processed as transformers' processor does
+  (the checkpoint's settings, the call's `fps` / `num_frames`).
+- With qwen-vl-utils keys, and always for a list of frames (qwen-vl-utils' own form), sizes,
+  frame counts and frame times are qwen-vl-utils' (`mmferry.chat.qwen_keys`), then the
+  checkpoint's size rule applies, as transformers' processor applies it to
+  `process_vision_info`'s output. The pixels are resized once, from the source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from mmferry.chat import qwen_keys
+from mmferry.chat.parts import MediaPart
+from mmferry.items import Layout, MultimodalItem
+from mmferry.preprocess.decode import as_batch, decode_image
+from mmferry.preprocess.patchify import resize_u8
+from mmferry.preprocess.resize import smart_resize
+from mmferry.preprocess.sampling import frame_timestamps
+from mmferry.preprocess.video import video_target_size
+
+if TYPE_CHECKING:
+    from mmferry.processor import Processor
+
+
+def _checked(part: MediaPart, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    # Preprocessing names the source; the caller needs to know which part it was.
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as e:
+        raise part.error(str(e)) from None
+
+
+def _image(proc: Processor, part: MediaPart, layout: Layout) -> MultimodalItem:
+    if not part.options:
+        return _checked(part, proc.image, part.source, layout)
+    cfg = proc.config
+    pixels = _checked(part, decode_image, part.source, cfg.max_decoded_pixels).pixels
+    h, w = _checked(part, qwen_keys.image_size, *pixels.shape[1:], part.options, cfg.factor)
+    h, w = smart_resize(
+        h, w, factor=cfg.factor, min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels
+    )
+    # [3, H, W] -> [3, h, w]; the processor's own resize is then an identity.
+    return _checked(part, proc.image, resize_u8(as_batch(pixels), h, w)[0], layout)
+
+
+def _frames_tensor(frames: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(frames) if len(frames) > 1 else frames[0][None]
+
+
+def _video_file(
+    proc: Processor, part: MediaPart, layout: Layout, call: dict[str, Any]
+) -> MultimodalItem:
+    from mmferry.preprocess.decode import read_source_bytes
+    from mmferry.preprocess.video_decode import decode_frames, probe_video
+
+    if not part.options:
+        return _checked(part, proc.video, part.source, layout, **call)
+    cfg, name = proc.config, part.where
+    data = _checked(part, read_source_bytes, part.source, "video")
+    if data is None:
+        raise part.error("a video with qwen-vl-utils keys must be a file, bytes or frames")
+    info = _checked(part, probe_video, data, name)
+    indices, count = _checked(
+        part, qwen_keys.frame_indices, part.options, info.total_frames, info.fps
+    )
+    n = len(indices)
+    size = _checked(
+        part, qwen_keys.video_size, n, info.height, info.width, part.options, cfg.factor
+    )
+    size = video_target_size(cfg, n, *size)
+
+    def check_size(h: int, w: int) -> None:
+        if h * w > cfg.max_decoded_pixels:
+            raise ValueError(f"frames of {h}x{w} exceed max_decoded_pixels")
+
+    frames = _checked(part, decode_frames, data, name, indices, check_size, lambda h, w: size, info)
+    # The kept frames, already sampled and sized: the processor takes them all, as they are.
+    item = _checked(part, proc.video, frames, layout, num_frames=n, source_fps=info.fps)
+    sample_fps = n / max(count, 1e-6) * info.fps
+    return _retime(item, cfg.temporal_patch_size, indices, info.fps, sample_fps)
+
+
+def _retime(
+    item: MultimodalItem, temporal: int, indices: Sequence[int], rate: float, sample_fps: float
+) -> MultimodalItem:
+    """Frame times as transformers derives them from qwen-vl-utils' metadata: the source
+    indices at the source rate (Qwen3-VL's prompt text), or T / the sampled rate (Qwen2.5-VL)."""
+    if item.timestamps is not None:
+        return dataclasses.replace(item, timestamps=frame_timestamps(list(indices), rate, temporal))
+    return dataclasses.replace(item, second_per_grid_t=temporal / sample_fps)
+
+
+def _frame_list(proc: Processor, part: MediaPart, layout: Layout) -> MultimodalItem:
+    cfg, keys = proc.config, part.options
+    frames = [_checked(part, decode_image, f, cfg.max_decoded_pixels).pixels for f in part.source]
+    h, w = frames[0].shape[1:]
+    h, w = _checked(part, qwen_keys.frame_list_size, h, w, keys, cfg.factor)
+    # qwen-vl-utils pads the list to an even count with the last frame.
+    frames += [frames[-1]] * (-len(frames) % qwen_keys.FRAME_FACTOR)
+    n = len(frames)
+    size = _checked(part, qwen_keys.video_size, n, h, w, keys, cfg.factor)
+    size = video_target_size(cfg, n, *size)
+    resized = _frames_tensor([resize_u8(as_batch(f), *size)[0] for f in frames])
+    sample_fps = keys.get("sample_fps", qwen_keys.FRAME_LIST_FPS)
+    rate = keys.get("raw_fps", sample_fps)
+    item = _checked(part, proc.video, resized, layout, num_frames=n, source_fps=rate)
+    return _retime(item, cfg.temporal_patch_size, range(n), rate, sample_fps)
+
+
+def build_item(
+    proc: Processor, part: MediaPart, layout: Layout, call: dict[str, Any]
+) -> MultimodalItem:
+    """The item for one media part (`call`: the call's `fps` / `num_frames` for videos)."""
+    if part.modality == "image":
+        return _image(proc, part, layout)
+    source = part.source
+    if isinstance(source, (np.ndarray, torch.Tensor)) and source.ndim == 4:
+        # A THWC array (or TCHW tensor) is a list of frames in one block.
+        source = list(source)
+    if isinstance(source, list):
+        return _frame_list(proc, dataclasses.replace(part, source=source), layout)
+    return _video_file(proc, part, layout, call)
