@@ -253,3 +253,19 @@ def test_one_readers_handle_cannot_be_open_in_two_processes():
         del mine
         gc.collect()
         assert arena.reclaim() == 1
+
+
+def test_a_mapping_the_kernel_refuses_raises_and_leaves_no_lease(monkeypatch):
+    import errno
+
+    import mmferry.transport.shm as shm
+
+    def refuse(*_: object) -> None:
+        raise OSError(errno.ENOMEM, "too many mappings (vm.max_map_count)")
+
+    with ShmArena(1 << 16) as arena:
+        h = arena.put(torch.ones(64))
+        monkeypatch.setattr(shm, "PrivatePages", refuse)
+        with pytest.raises(OSError, match="max_map_count"):
+            open_shared(h)
+        assert arena.reclaim() == 1 and arena.used_bytes == 0  # the slot went back at once
