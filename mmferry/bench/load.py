@@ -1,17 +1,23 @@
 """Load: `mmferry serve` (batching on and off) vs transformers served the obvious way, on loopback.
 
-Workload (seeded): 200 requests of one PNG each at concurrency 16; 24 distinct images of mixed
-sizes, all first seen within the first 50 requests, the rest repeats. Servers: `mmferry serve`
-with the built-in qwen3-vl tower (random weights), batching on, then `--no-batching`; the
-baseline is the same FastAPI + uvicorn serving transformers the obvious way: per request, one
-`Qwen2VLImageProcessorPil` call and one `Qwen3VLVisionModel` forward, same weights.
+Two seeded workloads of 200 requests of one PNG each at concurrency 16, mixed sizes. "88%
+repeats": 24 distinct images, all first seen within the first 50 requests, the rest repeats
+(most answers come from mmferry's encoder cache). "all distinct": 200 images, none repeated, so
+nothing is served from a cache; here mmferry runs with a 32 MiB cache, which the workload fills
+within its first 20 requests and then keeps evicting from, so the RSS check below also checks
+that the cache stays within its bound. Servers: `mmferry serve` with the built-in qwen3-vl tower
+(random weights), batching on, then `--no-batching`; the baseline is the same FastAPI + uvicorn
+serving transformers the obvious way: per request, one `Qwen2VLImageProcessorPil` call and one
+`Qwen3VLVisionModel` forward, same weights.
 Checked before any figure: zero errors; every response's grid, token count and hash equal an
 in-process preprocess of its image; every response equals the first one for its image; mmferry
 equals transformers per image within a stated tolerance; the server's RSS at the 200th response
-is within 5% of the RSS at the 50th. Figures: requests/s and p50/p99 latency, the median and
-spread over 5 rounds; each round runs every server once, the order rotating.
---quick cuts the tower to 1 layer (about 2 minutes a round on 2 quiet CPUs; the full 24-layer
-tower takes hours for 5 rounds).
+is within 5% of the RSS at the 50th. Figures, per workload: requests/s and p50/p99 latency, the
+median and spread over 5 rounds; each round runs every server on each workload once, the
+order rotating.
+--quick cuts the tower to 1 layer (the repeating workload takes about 2 minutes a round on 2
+quiet CPUs, the all-distinct one longer, as mmferry encodes every request there; the full
+24-layer tower takes hours for 5 rounds).
 
 Run: python -m mmferry.bench.load [--quick] [--json FILE]
 """
@@ -48,12 +54,12 @@ SIZES = [(256, 256), (320, 240), (240, 320), (384, 256)]
 TOLERANCE = 1e-2
 
 
-def images() -> list[bytes]:
-    """The distinct seeded PNGs."""
+def images(count: int | None = None, first_seed: int = 0) -> list[bytes]:
+    """`count` (default DISTINCT) distinct seeded PNGs, sizes cycling through SIZES."""
     out = []
-    for i in range(DISTINCT):
+    for i in range(DISTINCT if count is None else count):
         w, h = SIZES[i % len(SIZES)]
-        px = np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8)
+        px = np.random.default_rng(first_seed + i).integers(0, 256, (h, w, 3), dtype=np.uint8)
         buf = io.BytesIO()
         Image.fromarray(px).save(buf, format="PNG")
         out.append(buf.getvalue())
@@ -68,6 +74,27 @@ def sequence(seed: int = 0) -> list[int]:
     ]
     rng.shuffle(head)
     return head + [rng.randrange(DISTINCT) for _ in range(REQUESTS - FIRST_SEEN_BY)]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The images, which one each request sends, and flags for the mmferry servers."""
+
+    name: str
+    datas: list[bytes]
+    seq: list[int]
+    serve_flags: tuple[str, ...] = ()
+
+
+def workloads() -> list[Workload]:
+    """The repeating workload (the cache's best case) and the all-distinct one (no hits)."""
+    repeats = round(100 * (1 - DISTINCT / REQUESTS))
+    # NOTE: seeds after the repeating workload's, so no image is shared between the two.
+    distinct = images(REQUESTS, first_seed=DISTINCT)
+    return [
+        Workload(f"{repeats}% repeats", images(), sequence()),
+        Workload("all distinct", distinct, list(range(REQUESTS)), ("--cache-mib", "32")),
+    ]
 
 
 def rss_bytes(pid: int) -> int:
@@ -173,14 +200,14 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run(report: harness.Report, quick: bool) -> None:
-    """Three servers, one load run each per round, the order rotating; checks first on every
-    run, then the figures (median and spread over the rounds)."""
+    """Three servers on two workloads, one load run each per round, the server order rotating;
+    checks first on every run, then the figures (median and spread over the rounds)."""
     import mmferry as mf
 
     depth = ["--depth", "1"] if quick else []
-    datas, seq = images(), sequence()
+    loads = workloads()
     proc = mf.Processor.for_model("qwen3-vl")
-    expected = [proc.image(d, "compact-u8") for d in datas]
+    expected = {w.name: [proc.image(d, "compact-u8") for d in w.datas] for w in loads}
     serve = [sys.executable, "-m", "mmferry", "serve", "--port", "0", *depth]
     servers = {
         "batching on": serve,
@@ -188,48 +215,55 @@ def run(report: harness.Report, quick: bool) -> None:
         "transformers": [sys.executable, "-m", "mmferry.bench.load", "--serve-baseline", *depth],
     }
     names = list(servers)
-    runs: dict[str, list[Run]] = {name: [] for name in names}
-    worst = 0.0
+    runs: dict[tuple[str, str], list[Run]] = {(w.name, n): [] for w in loads for n in names}
+    worst = dict.fromkeys((w.name for w in loads), 0.0)
     for r in range(ROUNDS):
         print(f"round {r + 1} of {ROUNDS}", flush=True)
-        for name in harness.rotated(names, r):
-            got = measure(name, servers[name], datas, seq)
-            check(name, got, seq, expected, hashes=name != "transformers")
-            runs[name].append(got)
-        worst = max(worst, _agreement(runs["batching on"][-1], runs["transformers"][-1]))
-        for name in names:  # the responses are checked; keep only the timings
-            runs[name][-1].responses.clear()
+        for w in loads:
+            for name in harness.rotated(names, r):
+                cmd = servers[name] if name == "transformers" else [*servers[name], *w.serve_flags]
+                label = f"{name}, {w.name}"
+                got = measure(label, cmd, w.datas, w.seq)
+                check(label, got, w.seq, expected[w.name], hashes=name != "transformers")
+                runs[w.name, name].append(got)
+            ours, base = runs[w.name, "batching on"][-1], runs[w.name, "transformers"][-1]
+            worst[w.name] = max(worst[w.name], _agreement(ours, base))
+            for name in names:  # the responses are checked; keep only the timings
+                runs[w.name, name][-1].responses.clear()
     tower = "1-layer qwen3-vl tower (--quick)" if quick else "24-layer qwen3-vl tower"
-    print(
-        f"{REQUESTS} requests, concurrency {CONCURRENCY}, {DISTINCT} distinct images, {tower}; "
-        f"max |mmferry - transformers| {worst:.2e} (allowed {TOLERANCE})"
-    )
-    base = runs["transformers"]
-    for name in ("batching on", "batching off"):
-        ours = runs[name]
-        rss = max(r.rss_end for r in ours)
-        note = f"RSS at most {rss / 2**20:.0f} MiB, within 5% from request 50 to {REQUESTS}"
-        report.add(
-            harness.Figure.of_values(
-                f"requests/s, {name}",
-                "transformers",
-                [REQUESTS / r.wall_s for r in base],
-                [REQUESTS / r.wall_s for r in ours],
-                unit="req/s",
-                higher_is_better=True,
-                note=note,
-            )
+    for w in loads:
+        print(
+            f"{w.name}: {len(w.seq)} requests, concurrency {CONCURRENCY}, {len(w.datas)} "
+            f"distinct images, {tower}; max |mmferry - transformers| {worst[w.name]:.2e} "
+            f"(allowed {TOLERANCE})"
         )
-        for q in (50, 99):
+    for w in loads:
+        base = runs[w.name, "transformers"]
+        for name in ("batching on", "batching off"):
+            ours = runs[w.name, name]
+            rss = max(r.rss_end for r in ours)
+            note = f"RSS at most {rss / 2**20:.0f} MiB, within 5% from request 50 to {len(w.seq)}"
             report.add(
                 harness.Figure.of_values(
-                    f"p{q} latency, {name}",
+                    f"requests/s, {name}, {w.name}",
                     "transformers",
-                    [_pct(r.latencies, q) for r in base],
-                    [_pct(r.latencies, q) for r in ours],
-                    unit="ms",
+                    [len(w.seq) / r.wall_s for r in base],
+                    [len(w.seq) / r.wall_s for r in ours],
+                    unit="req/s",
+                    higher_is_better=True,
+                    note=note,
                 )
             )
+            for q in (50, 99):
+                report.add(
+                    harness.Figure.of_values(
+                        f"p{q} latency, {name}, {w.name}",
+                        "transformers",
+                        [_pct(r.latencies, q) for r in base],
+                        [_pct(r.latencies, q) for r in ours],
+                        unit="ms",
+                    )
+                )
 
 
 def _agreement(ours: Run, base: Run) -> float:

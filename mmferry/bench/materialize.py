@@ -113,64 +113,89 @@ def bench_cpu(rounds: int, report: Report) -> None:
     )
 
 
+def _sent(size: int) -> torch.Tensor:
+    """The tensor the producer hands over for `size` MB (the consumer rebuilds it to check)."""
+    return torch.randn(size * MB // 4, generator=torch.Generator().manual_seed(size))
+
+
+def _checksum(t: torch.Tensor) -> int:
+    """An exact sum over every 4-byte word: the consumer's read of every byte it was sent."""
+    return int(t.view(torch.int32).sum(dtype=torch.int64))
+
+
 def _consumer(conn) -> None:
     while True:
-        kind = conn.recv()
-        if kind == "stop":
+        msg = conn.recv()
+        if msg == "stop":
             return
+        kind, check_size = msg
         if kind == "handle":
             t = open_shared(conn.recv())
         elif kind == "tensor":
             t = conn.recv()  # torch.multiprocessing: a tensor whose storage is shared memory
         else:
             t = pickle.loads(conn.recv_bytes())
-        t.view(-1)[-1].item()  # the data is reachable without a copy
+        # NOTE: every variant does the same work on what it received: one pass over all of it.
+        total = _checksum(t)
+        equal = None if check_size is None else torch.equal(t, _sent(check_size))
         del t  # the lease (or the shared storage) ends here
-        conn.send("ok")
+        conn.send((total, equal))
+
+
+def _hand_off(conn, kind: str, send: Callable[[], None], want: int, check: int | None) -> None:
+    """One hand-off: the consumer reads all of it; its checksum (and, with `check`, a whole-tensor
+    comparison against the `check` MB tensor it rebuilds) must match what was sent."""
+    conn.send((kind, check))
+    send()
+    total, equal = conn.recv()
+    if total != want or equal is False:
+        raise AssertionError(f"{kind} hand-off: the consumer got other bytes than were sent")
 
 
 def bench_transport(rounds: int, sizes: list[int], report: Report) -> None:
     # Every variant starts from a pageable tensor in the producer and ends with the consumer
-    # holding the data; the producer's copy into shared memory counts as transport.
+    # having read every byte it was sent (a checksum, checked by the producer in every round);
+    # the producer's copy into shared memory counts as transport.
     import torch.multiprocessing as tmp  # registers the shared-memory tensor reductions
 
     ctx = tmp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_consumer, args=(child,), daemon=True)
     proc.start()
-    report.section("transport: a pageable tensor handed to another process, producer copy included")
+    report.section(
+        "transport: a pageable tensor handed to another process and read there in full, "
+        "producer copy included"
+    )
     try:
         with ShmArena(max(sizes) * MB * 2 + MB) as arena:
             for size in sizes:
-                x = torch.randn(size * MB // 4, generator=torch.Generator().manual_seed(size))
+                x = _sent(size)
+                want = _checksum(x)
                 # torch.multiprocessing moves a tensor's storage into shared memory when it is
                 # sent, so each call gets a fresh pageable copy made outside the timed region.
-                fresh = [x.clone() for _ in range(2 * (rounds + 1))]
+                fresh = [x.clone() for _ in range(rounds + 2)]
+                senders: dict[str, tuple[str, Callable[[], None]]] = {
+                    "mmferry": ("handle", lambda x=x: parent.send(arena.put(x))),
+                    "pickle+Pipe": ("bytes", lambda x=x: parent.send_bytes(pickle.dumps(x))),
+                    # share_memory_() copy, then an fd over the pipe
+                    "torch.multiprocessing": ("tensor", lambda f=fresh: parent.send(f.pop())),
+                }
 
-                def by_handle(x=x) -> None:
-                    parent.send("handle")
-                    parent.send(arena.put(x))  # the producer's one copy, into the arena
-                    parent.recv()
-                    arena.reclaim()
+                def deliver(name: str, check: int | None = None, want=want, to=senders) -> None:
+                    _hand_off(parent, *to[name], want, check)
+                    if name == "mmferry":
+                        arena.reclaim()  # the producer takes its slot back
 
-                def by_pickle(x=x) -> None:
-                    parent.send("bytes")
-                    parent.send_bytes(pickle.dumps(x))
-                    parent.recv()
-
-                def by_torch_mp(fresh=fresh) -> None:
-                    parent.send("tensor")
-                    parent.send(fresh.pop())  # share_memory_() copy, then an fd over the pipe
-                    parent.recv()
-
-                for base_name, base in (
-                    ("pickle+Pipe", by_pickle),
-                    ("torch.multiprocessing", by_torch_mp),
-                ):
+                for name in senders:
+                    deliver(name, check=size)  # the whole tensor arrives equal, before timing
+                for base_name in ("pickle+Pipe", "torch.multiprocessing"):
                     report.add(
                         compare(
                             f"{size:3d} MB hand-off",
-                            {base_name: base, "mmferry": by_handle},
+                            {
+                                base_name: lambda n=base_name: deliver(n),
+                                "mmferry": lambda: deliver("mmferry"),
+                            },
                             rounds=rounds,
                         )
                     )

@@ -5,7 +5,7 @@
     items[0].embeds, items[0].deepstack, items[0].grid_thw, items[0].num_tokens, items[0].hash
 
 `shm=True` (a client on the server's host) gets shared-memory handles instead of bytes and
-opens them as zero-copy, read-only views.
+opens them as zero-copy, copy-on-write views (a write stays this client's own).
 """
 
 from __future__ import annotations

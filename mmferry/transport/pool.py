@@ -28,7 +28,7 @@ from mmferry.transport.leases import LeaseTable, check_shape, table_bytes
 from mmferry.transport.segment import Segment, check_name
 from mmferry.transport.shm import ShmArena, ShmHandle, open_shared
 from mmferry.transport.slots import SlotBook
-from mmferry.transport.store import open_store
+from mmferry.transport.store import DeviceStore, open_store
 
 
 class Backing(Protocol):
@@ -249,11 +249,12 @@ class FeaturePool:
 
 @dataclass
 class _Lease:
-    """A reader's open lease in this process: what keeps its pool mapped and its event alive."""
+    """A reader's open lease in this process: its bytes, its lease table and its ready event."""
 
     control: attach.Attachment
-    flat: torch.Tensor
+    data: torch.Tensor  # flat uint8: this reader's own copy-on-write pages, or a device slice
     ready: Any = None  # the imported ready event, alive until the lease ends
+    device_store: torch.Tensor | None = None  # keeps the IPC import for the next lease
 
 
 _LOCK = threading.Lock()
@@ -300,8 +301,10 @@ def settle_acks() -> int:
 def open_feature(handle: PoolHandle | ShmHandle) -> torch.Tensor:
     """A view of the feature; a `PoolHandle` reader must `ack` once done with it.
 
-    Opening again before the `ack` returns a view under the same lease; after it, it raises.
-    Host-store views are read-only mappings.
+    Opening again before the `ack` returns a view of the same bytes under the same lease; after
+    it, it raises. A reader's writes into its view stay its own: host-store and shared-memory
+    views are copy-on-write mappings, and a CUDA slice read by several readers is copied for
+    each on open (stream-ordered; a single reader gets the slice itself).
     """
     if isinstance(handle, ShmHandle):
         return open_shared(handle)
@@ -314,24 +317,29 @@ def open_feature(handle: PoolHandle | ShmHandle) -> torch.Tensor:
         lease = _HELD.get(key)
         if lease is None:
             control = attach.attachment(handle.control, with_data=False)
-            flat = open_store(handle.store)
-            length = min(control.data_bytes, flat.numel())
-            check_range(handle.offset, handle.nbytes, 0, length)
+            store = open_store(handle.store)
+            check_range(handle.offset, handle.nbytes, 0, min(control.data_bytes, store.nbytes))
             control.table.acquire(
                 handle.slot, handle.gen, handle.reader, handle.offset, handle.nbytes
             )
             try:
+                data = store.range(handle.offset, handle.nbytes)
                 ready = None
                 if handle.ready is not None:
-                    ready = torch.cuda.Event.from_ipc_handle(flat.device, handle.ready)
+                    ready = torch.cuda.Event.from_ipc_handle(data.device, handle.ready)
                     # Device-side ordering after the producer's copy: no host wait.
-                    torch.cuda.current_stream(flat.device).wait_event(ready)
+                    torch.cuda.current_stream(data.device).wait_event(ready)
+                if data.is_cuda and handle.readers > 1:
+                    # NOTE: device memory has no copy-on-write. Other readers read this slice,
+                    # so this reader gets its own copy, queued after the producer's copy and
+                    # before any read that `ack`'s completion event covers.
+                    data = data.clone()
             except BaseException:
                 control.table.release(handle.slot, handle.gen, handle.reader)
                 raise
-            lease = _HELD[key] = _Lease(control, flat, ready)
-    view = lease.flat[handle.offset : handle.offset + handle.nbytes]
-    return view.view(dtype).view(handle.shape)
+            kept = store.flat if isinstance(store, DeviceStore) else None
+            lease = _HELD[key] = _Lease(control, data, ready, kept)
+    return lease.data.view(dtype).view(handle.shape)
 
 
 def ack(handle: PoolHandle | ShmHandle, *, after: Any = None) -> None:
@@ -357,9 +365,9 @@ def ack(handle: PoolHandle | ShmHandle, *, after: Any = None) -> None:
             )
             control.table.release(handle.slot, handle.gen, handle.reader)
             return
-        if after is None and lease.flat.is_cuda:
+        if after is None and lease.data.is_cuda:
             after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(lease.flat.device))
+            after.record(torch.cuda.current_stream(lease.data.device))
         if after is None:
             lease.control.table.release(handle.slot, handle.gen, handle.reader)
             return

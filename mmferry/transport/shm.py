@@ -1,9 +1,10 @@
 """Shared-memory transport: a producer's bounded arena, small handles, zero-copy leased views.
 
 Producer: `arena.put(tensor) -> ShmHandle` copies the bytes once into a slot of one POSIX
-segment. Consumer (any process): `open_shared(handle)` maps the segment and returns a read-only
-tensor viewing the slot. The slot comes back to the producer only when every reader's views,
-every tensor aliasing them, and every pending copy out of them are gone (or the reader died).
+segment. Consumer (any process): `open_shared(handle)` maps the slot's pages copy-on-write and
+returns a tensor viewing them: no copy is made, and a reader that writes into its view changes
+only its own pages. The slot comes back to the producer only when every reader's views, every
+tensor aliasing them, and every pending copy out of them are gone (or the reader died).
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 
 from mmferry.transport import attach
 from mmferry.transport.handles import check_layout, check_lease, check_range
 from mmferry.transport.leases import LeaseTable, check_shape, table_bytes
+from mmferry.transport.private import PrivatePages, pages_of
 from mmferry.transport.segment import SHM_DIR, Segment, ShmSpaceError, check_name
 from mmferry.transport.slots import Grant, SlotBook
 
@@ -238,10 +239,12 @@ def _release(att: attach.Attachment, slot: int, gen: int, reader: int) -> None:
 
 
 def open_shared(handle: ShmHandle, *, pin: bool = False) -> torch.Tensor:
-    """A read-only tensor for `handle`: a zero-copy view of the slot, leased until it dies.
+    """A tensor for `handle`: a zero-copy, copy-on-write view of the slot, leased until it dies.
 
-    Each reader opens its handle once: opening it again while a view lives returns the same
-    lease; after the views died (the lease ended) it raises.
+    Writes into it stay this reader's own (the pages it writes are copied for it alone); the
+    producer and other readers keep seeing the original bytes. Each reader opens its handle
+    once: opening it again while a view lives returns the same view; after the views died (the
+    lease ended) it raises.
     """
     if not isinstance(handle, ShmHandle):
         raise ValueError(f"open_shared expects a ShmHandle, got {type(handle).__name__}")
@@ -252,7 +255,6 @@ def open_shared(handle: ShmHandle, *, pin: bool = False) -> torch.Tensor:
     check_lease(handle.slot, handle.gen, handle.reader, handle.readers)
     with attach.lock():
         att = attach.attachment(handle.segment)
-        assert att.data is not None
         check_range(handle.offset, handle.nbytes, att.data_offset, att.data_bytes)
         if handle.nbytes == 0:
             raise ValueError("a zero-byte slot handle is never issued: forged handle refused")
@@ -262,19 +264,17 @@ def open_shared(handle: ShmHandle, *, pin: bool = False) -> torch.Tensor:
             start = handle.offset - att.data_offset
             att.table.acquire(handle.slot, handle.gen, handle.reader, start, handle.nbytes)
             try:
-                arr = np.frombuffer(att.data, dtype=np.uint8, count=handle.nbytes, offset=start)
+                # NOTE: the range was checked against the segment above, and the lease is
+                # taken: only now are its pages mapped, and only its own.
+                arr = PrivatePages(att.data_fd, handle.offset, handle.nbytes).array()
                 att.views[key] = arr
             except BaseException:
                 att.table.release(handle.slot, handle.gen, handle.reader)
                 raise
             # NOTE: the lease ends when this array dies, which is when the last tensor sharing
             # its storage dies (from_numpy keeps it alive), including those held by pending
-            # copies. The finalizer also holds the attachment, so the mapping outlives the array.
+            # copies. The finalizer also holds the attachment, so the lease table outlives it.
             weakref.finalize(arr, _release, att, handle.slot, handle.gen, handle.reader)
-    if pin and torch.cuda.is_available():
-        att.pin()
-    with warnings.catch_warnings():
-        # NOTE: the mapping is read-only on purpose; a write through the tensor faults (SIGSEGV)
-        # instead of changing what other readers see. Clone before writing in place.
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(arr).view(dtype).view(handle.shape)
+        if pin and torch.cuda.is_available():
+            pages_of(arr).pin()
+    return torch.from_numpy(arr).view(dtype).view(handle.shape)

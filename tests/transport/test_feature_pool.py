@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from shm_helpers import mapping_of
 
 from mmferry.transport.pool import (
     CudaBacking,
@@ -184,20 +185,78 @@ def test_ack_without_open_declines_and_double_ack_is_refused():
         del v
 
 
-def test_host_pool_views_are_read_only_mappings():
+def _write_feature_child(handle, conn) -> None:
+    view = open_feature(handle)
+    view.add_(1)  # a reader changing its feature in place
+    conn.send(view.cpu().numpy())  # by value: torch would share the storage with this process
+    conn.recv()  # keep the written view until the parent has looked
+    ack(handle)
+    conn.send("acked")
+
+
+def _read_feature_child(handle, conn) -> None:
+    view = open_feature(handle)
+    conn.send(view.cpu().numpy())
+    ack(handle)
+
+
+def _writer_and_reader(pool: FeaturePool, x: torch.Tensor) -> None:
+    h = pool.put(x, readers=3)
+    mine = open_feature(h.for_reader(0))
+    procs = []
+    try:
+        for r, target in ((1, _write_feature_child), (2, _read_feature_child)):
+            parent, child = CTX.Pipe()
+            p = CTX.Process(target=target, args=(h.for_reader(r), child), daemon=True)
+            p.start()
+            child.close()
+            procs.append((p, parent))
+            assert parent.poll(120), "reader did not answer in time"
+            got = torch.from_numpy(parent.recv())  # EOFError here: the reader crashed
+            assert torch.equal(got, x.cpu() + 1 if r == 1 else x.cpu())
+        assert torch.equal(mine.cpu(), x.cpu())  # opened before the write: unchanged
+        procs[0][1].send("done")
+        assert procs[0][1].poll(60) and procs[0][1].recv() == "acked"
+    finally:
+        for p, _ in procs:
+            p.join(60)
+    assert [p.exitcode for p, _ in procs] == [0, 0]
+    ack(h.for_reader(0))
+    assert pool.reclaim() == 1
+
+
+def test_host_pool_reader_writing_in_place_keeps_its_change_to_itself():
     with FeaturePool(HostBacking(MiB)) as pool:
-        h = pool.put(torch.arange(64.0))
+        x = _feature(8192, seed=5)
+        _writer_and_reader(pool, x)
+        h = pool.put(x)
         v = open_feature(h)
-        with open("/proc/self/maps") as f:
-            for line in f:
-                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-                if lo <= v.data_ptr() < hi:
-                    assert line.split()[1] == "r--s", line
-                    break
-            else:
-                pytest.fail("view not found in /proc/self/maps")
+        line = mapping_of(v.data_ptr())
+        assert line.split()[1] == "rw-p", line  # private copy-on-write, never the store itself
+        v.zero_()
+        assert torch.equal(pool._store[h.offset : h.offset + h.nbytes].view(x.dtype), x.view(-1))
         ack(h)
         del v
+
+
+def test_pool_fallback_views_keep_a_readers_writes_to_itself():
+    with FeaturePool(HostBacking(MiB)) as pool:
+        big = _feature(2 * MiB, seed=6)
+        with pytest.warns(RuntimeWarning, match="feature pool full"):
+            h = pool.put(big, readers=2)
+        assert isinstance(h, ShmHandle)
+        a, b = open_feature(h.for_reader(0)), open_feature(h.for_reader(1))
+        a.add_(1)
+        assert torch.equal(a, big + 1) and torch.equal(b, big)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pool_reader_writing_in_place_keeps_its_change_to_itself():
+    with FeaturePool(CudaBacking(MiB)) as pool:
+        x = torch.randn(1024, 64, device="cuda")
+        _writer_and_reader(pool, x)
+        h = pool.put(x)
+        assert torch.equal(pool._store[h.offset : h.offset + h.nbytes].view(x.dtype), x.view(-1))
 
 
 def _cuda_reader_child(handle, conn) -> None:

@@ -1,4 +1,5 @@
-"""Real spawned processes: hand-off, consumer SIGKILL, producer SIGKILL, normal exit; /dev/shm."""
+"""Real spawned processes: hand-off, in-place writes, consumer SIGKILL, producer SIGKILL, normal
+exit; /dev/shm."""
 
 from __future__ import annotations
 
@@ -42,6 +43,19 @@ def _consume_child(handle, hold: bool, conn) -> None:
     conn.send(float(view.double().sum()))
     if hold:
         time.sleep(600)  # keeps the view until killed
+
+
+def _write_in_place_child(handle, conn) -> None:
+    view = open_shared(handle)
+    view.add_(1)  # an engine worker scaling its features in place
+    conn.send(view.clone())
+    conn.recv()  # keep the written view (and its pages) until the parent has looked
+
+
+def _copy_child(handle, conn) -> None:
+    view = open_shared(handle)
+    conn.send(view.clone())
+    conn.recv()
 
 
 def _produce_child(seed: int, close: bool, conn) -> None:
@@ -89,6 +103,33 @@ def test_consumer_process_reads_and_releases():
         assert _wait_until(lambda: arena.reclaim() == 1 or arena.live_slots == 0)
         name = arena.name
     assert not _shm_exists(name)
+
+
+def test_a_reader_writing_in_place_keeps_its_change_and_nobody_else_sees_it():
+    x = _expected(7)
+    with ShmArena(1 << 20) as arena:
+        h = arena.put(x, readers=3)
+        mine = open_shared(h.for_reader(0))  # a reader whose view was open before the write
+        writer, wconn = _start(_write_in_place_child, h.for_reader(1))
+        written = _recv(wconn, writer)
+        assert writer.is_alive() and torch.equal(written, x + 1)  # no fault; its own view changed
+        reader, rconn = _start(_copy_child, h.for_reader(2))  # opened after the write
+        try:
+            assert torch.equal(_recv(rconn, reader), x)
+            assert torch.equal(mine, x)
+            slot = torch.frombuffer(
+                arena._segment.mm, dtype=x.dtype, count=x.numel(), offset=h.offset
+            )
+            assert torch.equal(slot.view(x.shape), x)  # the producer's bytes are untouched
+        finally:
+            wconn.send("done")
+            rconn.send("done")
+        for proc in (writer, reader):
+            proc.join(TIMEOUT)
+            assert proc.exitcode == 0
+        del mine, slot
+        gc.collect()
+        assert _wait_until(lambda: arena.reclaim() == 1 or arena.live_slots == 0)
 
 
 def test_consumer_killed_with_sigkill_releases_its_slot():

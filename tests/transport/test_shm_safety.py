@@ -1,10 +1,10 @@
-"""ShmArena safety: single-use leases, read-only views, unmapping, threads, failed constructors."""
+"""ShmArena safety: single-use leases, private copy-on-write views, unmapping, threads, failed
+constructors."""
 
 from __future__ import annotations
 
 import gc
 import multiprocessing as mp
-import signal
 import threading
 
 import pytest
@@ -57,27 +57,62 @@ def test_a_view_held_while_reopened_keeps_the_slot_from_reuse():
         assert torch.equal(b, torch.ones(6000))
 
 
-def test_views_are_read_only_mappings_without_the_lease_table():
+def test_views_are_private_mappings_of_their_own_pages_without_the_lease_table():
     with ShmArena(1 << 16) as arena:
         h = arena.put(torch.arange(16.0))
         v = open_shared(h)
         line = mapping_of(v.data_ptr())
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
         perms, offset = line.split()[1], int(line.split()[2], 16)
-        assert perms == "r--s", line
-        assert offset >= h.offset - (h.offset % 4096) and offset > 0, line  # not the table pages
+        assert perms == "rw-p", line  # copy-on-write: writable, and no write reaches the segment
+        assert offset == h.offset - (h.offset % 4096) and offset > 0, line  # not the table pages
+        assert hi - lo == 4096, line  # only the pages of this slot
         assert v.untyped_storage().nbytes() == h.nbytes
         with pytest.raises(RuntimeError):
             torch.as_strided(v, (h.offset // 4 + 16,), (1,), 0).sum()  # beyond its storage
 
 
+def test_readers_in_one_process_keep_their_writes_apart_from_each_other_and_the_producer():
+    x = torch.arange(1024.0)
+    with ShmArena(1 << 16) as arena:
+        h = arena.put(x, readers=2)
+        a, b = open_shared(h.for_reader(0)), open_shared(h.for_reader(1))
+        a.mul_(-1)
+        assert torch.equal(a, -x) and torch.equal(b, x)
+        assert torch.equal(open_shared(h.for_reader(0)), -x)  # the same lease: the same view
+        slot = torch.frombuffer(arena._segment.mm, dtype=x.dtype, count=x.numel(), offset=h.offset)
+        assert torch.equal(slot, x)
+        del a, b, slot
+        gc.collect()
+        assert arena.reclaim() == 1
+
+
+def test_written_pages_die_with_their_view_and_never_show_in_a_later_slot():
+    with ShmArena(1 << 16) as arena:
+        first = arena.put(torch.zeros(100))  # 400 bytes: the page's other bytes go to the next slot
+        v = open_shared(first)
+        v.fill_(9.0)  # copies the whole page privately, the next slot's bytes included
+        after = torch.arange(200.0)
+        h = arena.put(after)  # written by the producer after the reader's copy was taken
+        assert h.offset // 4096 == first.offset // 4096  # shares the written page
+        neighbour = open_shared(h)
+        assert torch.equal(neighbour, after)
+        del v
+        gc.collect()
+        assert arena.reclaim() == 1
+        again = arena.put(torch.full((100,), 5.0))  # the freed slot, reused
+        assert again.offset == first.offset
+        assert torch.equal(open_shared(again), torch.full((100,), 5.0))
+
+
 def _write_in_place(handle, conn) -> None:
     v = open_shared(handle)
     conn.send("opened")
-    v.add_(1)  # faults: the mapping is read-only
-    conn.send("wrote")
+    v.add_(1)
+    conn.send(v.tolist())
 
 
-def test_a_reader_writing_in_place_faults_and_others_see_the_original():
+def test_a_reader_writing_in_place_lives_and_others_see_the_original():
     with ShmArena(1 << 16) as arena:
         h = arena.put(torch.arange(16.0), readers=2)
         mine = open_shared(h.for_reader(0))
@@ -86,12 +121,13 @@ def test_a_reader_writing_in_place_faults_and_others_see_the_original():
         p.start()
         child.close()
         assert parent.poll(60) and parent.recv() == "opened"
+        assert parent.poll(60) and parent.recv() == (torch.arange(16.0) + 1).tolist()
         p.join(60)
-        assert p.exitcode == -signal.SIGSEGV
+        assert p.exitcode == 0
         assert torch.equal(mine, torch.arange(16.0))
         del mine
         gc.collect()
-        assert arena.reclaim() == 1  # the faulted reader's lease died with it
+        assert arena.reclaim() == 1  # the writer's lease ended with its view
 
 
 def _produce_and_exit(conn) -> None:
@@ -217,3 +253,19 @@ def test_one_readers_handle_cannot_be_open_in_two_processes():
         del mine
         gc.collect()
         assert arena.reclaim() == 1
+
+
+def test_a_mapping_the_kernel_refuses_raises_and_leaves_no_lease(monkeypatch):
+    import errno
+
+    import mmferry.transport.shm as shm
+
+    def refuse(*_: object) -> None:
+        raise OSError(errno.ENOMEM, "too many mappings (vm.max_map_count)")
+
+    with ShmArena(1 << 16) as arena:
+        h = arena.put(torch.ones(64))
+        monkeypatch.setattr(shm, "PrivatePages", refuse)
+        with pytest.raises(OSError, match="max_map_count"):
+            open_shared(h)
+        assert arena.reclaim() == 1 and arena.used_bytes == 0  # the slot went back at once
