@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,25 @@ _MODE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "I;16N
 # many pixels, so no whole-image intermediate (RGBA, composite) is ever held.
 BYTES_PER_ALLOWED_PIXEL = 4
 _STRIP_PIXELS = 1 << 18
+# NOTE: what Pillow's format plugins raise for a malformed header, metadata block or pixel
+# stream: besides OSError, a non-numeric PPM field is a ValueError from int(), a PNG text or
+# ICC chunk that inflates past Pillow's limit a ValueError, an unknown DDS layout a
+# NotImplementedError, a short TIFF/EXIF field a struct.error. All are facts about the bytes,
+# so each becomes a ValueError naming the source (a 4xx in the service, a skipped input in
+# `mmferry encode`), never a crash.
+_UNREADABLE = (
+    OSError,
+    SyntaxError,
+    ValueError,
+    NotImplementedError,
+    EOFError,
+    IndexError,
+    KeyError,
+    TypeError,
+    ZeroDivisionError,
+    OverflowError,
+    struct.error,
+)
 
 
 @dataclass(frozen=True)
@@ -94,8 +114,10 @@ def _open_checked(data: bytes, name: str, max_pixels: int) -> Image.Image:
         im = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:
         raise ValueError(f"image {name} is too large to decode safely: {e}") from None
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+    except UnidentifiedImageError as e:
         raise ValueError(f"cannot decode image {name}: not a readable image ({e})") from None
+    except _UNREADABLE as e:
+        raise ValueError(f"cannot decode image {name}: corrupt header or metadata ({e})") from None
     # NOTE: checked on the header size, before any pixel is decoded (decompression bombs).
     if im.width * im.height > max_pixels:
         raise ValueError(
@@ -104,7 +126,7 @@ def _open_checked(data: bytes, name: str, max_pixels: int) -> Image.Image:
         )
     try:
         peak = decode_peak_bytes(im)  # reads the EXIF block, which may be cut short
-    except (OSError, SyntaxError, ValueError) as e:
+    except _UNREADABLE as e:
         raise ValueError(f"cannot decode image {name}: corrupt or truncated ({e})") from None
     budget = BYTES_PER_ALLOWED_PIXEL * max_pixels
     if peak > budget:
@@ -119,7 +141,7 @@ def _open_checked(data: bytes, name: str, max_pixels: int) -> Image.Image:
 def _load(im: Image.Image, name: str) -> None:
     try:
         im.load()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+    except (*_UNREADABLE, Image.DecompressionBombError) as e:
         raise ValueError(f"cannot decode image {name}: corrupt or truncated ({e})") from None
 
 
