@@ -8,7 +8,6 @@ copy, features against the plain-torch statement of transformers' processor (ref
 from __future__ import annotations
 
 import io
-import struct
 
 import numpy as np
 import pytest
@@ -17,25 +16,12 @@ from PIL import Image
 
 from mmferry.config import preset
 from mmferry.preprocess.image import process_image
+from tests.support import exif
 
 from . import reference as ref
 from .conftest import encode, gradient
 
 CFG = preset("qwen3-vl")
-_SHORT, _ASCII = 3, 2
-
-
-def _exif(*entries: tuple[int, int, bytes]) -> bytes:
-    """A big-endian EXIF block of one IFD; each entry is (tag, type, 4-byte value field)."""
-    ifd = struct.pack(">H", len(entries))
-    for tag, kind, value in entries:
-        count = 1 if kind == _SHORT else len(value)
-        ifd += struct.pack(">HHI", tag, kind, count) + value
-    return b"Exif\0\0MM\0*" + struct.pack(">I", 8) + ifd + bytes(4)
-
-
-def _orientation_entry(value: int) -> tuple[int, int, bytes]:
-    return (0x0112, _SHORT, struct.pack(">HH", value, 0))
 
 
 def _by_hand(stored: np.ndarray, orientation: int) -> np.ndarray:
@@ -61,7 +47,11 @@ def _assert_features(item, rgb: np.ndarray) -> None:
 
 # Numeric tags whose value written as text breaks Pillow's EXIF re-serialisation, which
 # `ImageOps.exif_transpose` runs after turning the pixels.
-BROKEN_TAGS = {"XResolution": 0x011A, "ImageWidth": 0x0100, "ResolutionUnit": 0x0128}
+BROKEN_TAGS = {
+    "XResolution": exif.X_RESOLUTION,
+    "ImageWidth": exif.IMAGE_WIDTH,
+    "ResolutionUnit": exif.RESOLUTION_UNIT,
+}
 
 
 CASES = [(o, "XResolution") for o in range(1, 9)] + [(6, "ImageWidth"), (6, "ResolutionUnit")]
@@ -71,8 +61,8 @@ CASES = [(o, "XResolution") for o in range(1, 9)] + [(6, "ImageWidth"), (6, "Res
 def test_orientation_applied_when_another_exif_tag_is_broken(orientation, tag_name):
     tag = BROKEN_TAGS[tag_name]
     pixels = Image.fromarray(gradient(48, 80, orientation))
-    clean = encode(pixels, "JPEG", quality=95, exif=_exif(_orientation_entry(orientation)))
-    broken_exif = _exif(_orientation_entry(orientation), (tag, _ASCII, b"abc\0"))
+    clean = encode(pixels, "JPEG", quality=95, exif=exif.exif_block(exif.orientation(orientation)))
+    broken_exif = exif.exif_block(exif.orientation(orientation), exif.as_text(tag))
     broken = encode(pixels, "JPEG", quality=95, exif=broken_exif)
     stored = np.array(Image.open(io.BytesIO(broken)).convert("RGB"))
     want = _by_hand(stored, orientation)
@@ -85,7 +75,7 @@ def test_orientation_applied_when_another_exif_tag_is_broken(orientation, tag_na
 def test_unreadable_orientation_is_ignored_as_pillow_does():
     # The orientation itself stored as text: no viewer can apply it, Pillow leaves the pixels.
     pixels = Image.fromarray(gradient(48, 80, 9))
-    data = encode(pixels, "JPEG", quality=95, exif=_exif((0x0112, _ASCII, b"6\0\0\0")))
+    data = encode(pixels, "JPEG", quality=95, exif=exif.exif_block(exif.as_text(exif.ORIENTATION)))
     stored = np.array(Image.open(io.BytesIO(data)))
     np.testing.assert_array_equal(ref.load_rgb(data), stored)
     _assert_features(process_image(data, CFG, layout="hf"), stored)
@@ -94,7 +84,8 @@ def test_unreadable_orientation_is_ignored_as_pillow_does():
 def test_png_exif_chunk_with_a_broken_tag():
     # PNG carries EXIF in an eXIf chunk; the same orientation rule applies.
     pixels = Image.fromarray(gradient(40, 72, 10))
-    data = encode(pixels, "PNG", exif=_exif(_orientation_entry(6), (0x011A, _ASCII, b"abc\0")))
+    broken = exif.exif_block(exif.orientation(6), exif.as_text(exif.X_RESOLUTION))
+    data = encode(pixels, "PNG", exif=broken)
     want = _by_hand(np.asarray(pixels), 6)
     _assert_features(process_image(data, CFG, layout="hf"), want)
 
