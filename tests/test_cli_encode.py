@@ -415,3 +415,30 @@ def test_a_model_that_cannot_be_built_is_one_line(tmp_path, monkeypatch, capsys)
         "nothing written"
     ]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_written_file_is_safetensors(tmp_path, dtype):
+    """`encoded.write` streams what safetensors' own writer holds: same tensors and metadata,
+    and safetensors reads it back (views and repeated tensors included)."""
+    from safetensors import safe_open
+
+    from mmferry.server.encoded import EncodedItem, from_bytes, to_bytes, write
+
+    rows = torch.randn(7, 16).to(dtype)
+    items = [
+        EncodedItem("image", rows, (rows * 2,), (1, 2, 14), 7, "a", "ä.png"),
+        EncodedItem("video", rows[2:5], (), (2, 1, 6), 3, "b", "v.mp4"),  # a view
+        EncodedItem("image", rows, (rows * 2,), (1, 2, 14), 7, "a", "again.png"),  # a repeat
+    ]
+    path = tmp_path / "o.safetensors"
+    with open(path, "wb") as f:
+        write(items, f)
+    ours, theirs = load_file(path), from_bytes(to_bytes(items))
+    assert [i.facts() for i in ours] == [i.facts() for i in theirs] == [i.facts() for i in items]
+    for a, b in zip(ours, items):
+        assert a.embeds.dtype == dtype and torch.equal(a.embeds, b.embeds)
+        assert all(torch.equal(x, y) for x, y in zip(a.deepstack, b.deepstack))
+    with safe_open(str(path), framework="pt") as f:
+        keys = sorted(f.keys())  # noqa: SIM118 - safe_open has no iter
+    assert keys == ["0.deepstack.0", "0.embeds", "1.embeds", "2.deepstack.0", "2.embeds"]
