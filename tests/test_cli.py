@@ -54,7 +54,7 @@ def _one_line_error(capsys, argv: list[str], *needles: str) -> str:
 
 
 def test_folder_without_config_is_one_line(tmp_path, capsys):
-    _one_line_error(capsys, ["demo", "--model", str(tmp_path)], "config.json", "--model")
+    _one_line_error(capsys, ["demo", "--model", str(tmp_path)], "config.json", str(tmp_path))
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")

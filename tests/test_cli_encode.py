@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import collections
 import io
+import itertools
 import os
 import signal
+import stat
+import struct
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +25,7 @@ import mmferry as mf
 from mmferry.commands.model_args import shallow
 from mmferry.models import spec_for
 from mmferry.server.encoded import load_file
+from tests.preprocess import exif
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_PIXELS = 65536
@@ -28,12 +36,21 @@ def _png(path: Path, w: int, h: int, seed: int) -> None:
     Image.fromarray(pixels).save(path)
 
 
-def _encode(args: list[str], cwd: Path, **kw) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "mmferry", "encode", *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _encode(args: list[str], cwd: Path, *, code: str | None = None, **kw) -> subprocess.Popen:
+    """`mmferry encode ARGS` in a child process; `code` runs there first (a test hook)."""
+    start = ["-m", "mmferry"] if code is None else ["-c", code + _MAIN]
+    cmd = [sys.executable, *start, "encode", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
     return subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
     )
+
+
+_MAIN = "\nimport sys\nfrom mmferry.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+
+
+def _leftovers(folder: Path, keep: Path) -> list[str]:
+    return sorted(f.name for f in folder.iterdir() if f != keep and not f.name.endswith(".png"))
 
 
 def test_folder_with_one_corrupt_image(tmp_path):
@@ -80,7 +97,7 @@ def test_nothing_to_encode_writes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_interrupted_run_leaves_no_output(tmp_path, sig):
+def test_interrupt_while_encoding_leaves_no_output(tmp_path, sig):
     for i in range(40):
         _png(tmp_path / f"{i:02d}.png", 256, 256, i)
     out = tmp_path / "out.safetensors"
@@ -94,3 +111,334 @@ def test_interrupted_run_leaves_no_output(tmp_path, sig):
     assert "interrupted" in stderr
     assert not out.exists()
     assert not [f for f in tmp_path.iterdir() if f.suffix == ".tmp"]
+
+
+# A hook for the child process: the writer stops halfway through the output, says so on stderr,
+# and waits 1.5 s before writing the rest, so the test's signal lands inside the write.
+_PAUSE_IN_WRITE = """
+import io, sys, time
+import mmferry.server.encoded as encoded
+real = encoded.write
+def paused(items, f):
+    buf = io.BytesIO()
+    real(items, buf)
+    data = buf.getvalue()
+    f.write(data[: len(data) // 2])
+    f.flush()
+    print("paused inside the write", file=sys.stderr, flush=True)
+    until = time.monotonic() + 1.5
+    while time.monotonic() < until:
+        time.sleep(0.05)
+    f.write(data[len(data) // 2 :])
+encoded.write = paused
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupt_inside_the_write_leaves_no_output(tmp_path, sig):
+    for i in range(3):
+        _png(tmp_path / f"{i}.png", 64, 64, i)
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"an earlier run's output")
+    args = [str(tmp_path / "*.png"), "--out", str(out), "--depth", "1"]
+    p = _encode(args, tmp_path, code=_PAUSE_IN_WRITE)
+    lines = []
+    while not lines or "paused inside the write" not in lines[-1]:
+        lines.append(p.stderr.readline())
+        assert lines[-1], "".join(lines)  # the child ended without reaching the write
+    # The temporary file holds half the output now.
+    assert len(_leftovers(tmp_path, out)) == 1, _leftovers(tmp_path, out)
+    p.send_signal(sig)
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr
+    assert "interrupted; nothing written" in stderr and "Traceback" not in stderr
+    assert out.read_bytes() == b"an earlier run's output"  # untouched
+    assert _leftovers(tmp_path, out) == []
+
+
+def _exif_turned_jpeg(path: Path) -> np.ndarray:
+    """A JPEG shown turned 90 degrees clockwise (EXIF orientation 6) whose XResolution tag is
+    stored as text; returns its upright pixels, turned by hand."""
+    pixels = Image.fromarray(np.random.default_rng(7).integers(0, 256, (48, 80, 3), dtype=np.uint8))
+    block = exif.exif_block(exif.orientation(6), exif.as_text(exif.X_RESOLUTION))
+    pixels.save(path, "JPEG", quality=95, exif=block)
+    return np.ascontiguousarray(np.rot90(np.asarray(Image.open(path)), -1))
+
+
+def test_valid_jpeg_with_a_broken_exif_tag_is_encoded_upright(tmp_path):
+    media = tmp_path / "media"
+    media.mkdir()
+    _png(media / "a.png", 64, 64, 0)
+    upright = _exif_turned_jpeg(media / "turned.jpg")
+    out = tmp_path / "emb.safetensors"
+    p = _encode([str(media), "--out", str(out), "--depth", "1"], tmp_path)
+    _, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stderr
+    items = load_file(out)
+    assert [Path(i.source).name for i in items] == ["a.png", "turned.jpg"]
+    proc = mf.Processor.for_model("qwen3-vl")
+    enc = mf.VisionEncoder.random(config=shallow(spec_for("qwen3-vl").random_config, 1))
+    want = proc.image(upright, "compact-u8")
+    assert items[1].grid_thw == want.grid_thw and want.grid_thw[1] > want.grid_thw[2]  # tall
+    with torch.inference_mode():
+        torch.testing.assert_close(items[1].embeds, enc([want])[0].embeds, atol=1e-5, rtol=1e-5)
+
+
+class _Failing:
+    """Wraps the processor and encoder `build` returns: some inputs fail in odd ways."""
+
+    def __init__(self, proc, enc, bad_hash: str) -> None:
+        self.proc, self.enc, self.bad_hash = proc, enc, bad_hash
+        self.calls: list[int] = []
+
+    def image(self, source: str, layout: str):
+        if Path(source).name == "poison.png":
+            raise struct.error("unpack requires a buffer of 4 bytes")  # not a ValueError
+        return self.proc.image(source, layout=layout)
+
+    def __call__(self, items):
+        self.calls.append(len(items))
+        if any(it.hash == self.bad_hash for it in items):
+            raise RuntimeError("out of memory\nsecond line of the report")
+        return self.enc(items)
+
+
+def _run_in_process(monkeypatch, capsys, argv: list[str], wrap=None) -> tuple[int, str]:
+    from mmferry.cli import main
+    from mmferry.commands import encode
+
+    real_build = encode.build
+    if wrap is not None:
+
+        def build(args):
+            failing = wrap(*real_build(args))
+            return failing, failing
+
+        monkeypatch.setattr(encode, "build", build)
+    rc = main(["encode", *argv])
+    return rc, capsys.readouterr().err
+
+
+def test_any_failure_of_one_input_skips_only_that_input(tmp_path, monkeypatch, capsys):
+    media = tmp_path / "media"
+    media.mkdir()
+    for name, (w, h) in {
+        "a": (64, 64),
+        "b": (96, 64),
+        "poison": (64, 64),
+        "huge": (64, 128),
+    }.items():
+        _png(media / f"{name}.png", w, h, len(name))
+    out = tmp_path / "emb.safetensors"
+    failing = []
+
+    def wrap(proc, enc):
+        failing.append(_Failing(proc, enc, proc.image(str(media / "huge.png")).hash))
+        return failing[0]
+
+    rc, stderr = _run_in_process(
+        monkeypatch, capsys, [str(media), "--out", str(out), "--depth", "1"], wrap
+    )
+    assert rc == 1, stderr
+    failed = [line for line in stderr.splitlines() if "FAILED" in line]
+    assert len(failed) == 2, stderr  # one line each, the report's second line folded in
+    assert "poison.png: error: unpack requires" in failed[0]
+    assert "huge.png: RuntimeError: out of memory second line" in failed[1]
+    assert "Traceback" not in stderr and "1 failed" not in stderr and "2 failed" in stderr
+    assert [Path(i.source).name for i in load_file(out)] == ["a.png", "b.png"]
+    assert failing[0].calls == [3, 1, 1, 1]  # one batch, then each item alone
+
+
+def test_out_is_a_folder_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    _png(tmp_path / "a.png", 64, 64, 0)
+    (tmp_path / "out").mkdir()
+    rc, stderr = _run_in_process(
+        monkeypatch, capsys, [str(tmp_path / "a.png"), "--out", str(tmp_path / "out")]
+    )
+    assert rc == 2
+    assert stderr.strip().splitlines() == [
+        f"mmferry encode: {tmp_path / 'out'} is a folder; --out names the file to write; "
+        "nothing written"
+    ]
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_out_under_a_file_is_refused(tmp_path, monkeypatch, capsys):
+    _png(tmp_path / "a.png", 64, 64, 0)
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    out = tmp_path / "notes.txt" / "deeper" / "o.safetensors"
+    rc, stderr = _run_in_process(monkeypatch, capsys, [str(tmp_path / "a.png"), "--out", str(out)])
+    assert rc == 2 and "notes.txt is not a folder; nothing written" in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_out_in_a_read_only_folder_is_refused(tmp_path, monkeypatch, capsys):
+    _png(tmp_path / "a.png", 64, 64, 0)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    out = locked / "o.safetensors"
+    rc, stderr = _run_in_process(monkeypatch, capsys, [str(tmp_path / "a.png"), "--out", str(out)])
+    assert rc == 2 and "is not writable; nothing written" in stderr, stderr
+    assert list(locked.iterdir()) == []
+
+
+def _small_files() -> None:
+    """In the child: files may not grow past 16 KiB, and writing past that fails with EFBIG
+    (SIGXFSZ ignored) instead of killing the process: a full disk, reproducibly."""
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))
+
+
+def test_failed_write_is_one_line_and_leaves_nothing(tmp_path):
+    for i in range(3):
+        _png(tmp_path / f"{i}.png", 64, 64, i)
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"an earlier run's output")
+    args = [str(tmp_path / "*.png"), "--out", str(out), "--depth", "1"]
+    p = _encode(args, tmp_path, preexec_fn=_small_files)
+    _, stderr = p.communicate(timeout=300)
+    assert p.returncode == 3, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last == f"mmferry encode: cannot write {out}: File too large; nothing written"
+    assert "Traceback" not in stderr
+    assert out.read_bytes() == b"an earlier run's output"
+    assert _leftovers(tmp_path, out) == []
+
+
+def test_output_is_synced_and_its_mode_follows_the_umask(tmp_path, monkeypatch, capsys):
+    from mmferry.commands import outfile
+
+    _png(tmp_path / "a.png", 64, 64, 0)
+    out = tmp_path / "o.safetensors"
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append("fsync folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append("rename")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(outfile.os, "fsync", fsync)
+    monkeypatch.setattr(outfile.os, "replace", replace)
+    umask = os.umask(0o027)
+    try:
+        rc, stderr = _run_in_process(
+            monkeypatch, capsys, [str(tmp_path / "a.png"), "--out", str(out), "--depth", "1"]
+        )
+    finally:
+        os.umask(umask)
+    assert rc == 0, stderr
+    assert events == ["fsync file", "rename", "fsync folder"]
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640  # 0o666 under the umask, like any file
+    assert len(load_file(out)) == 1
+
+
+def _sweep_signals(fn, filename: str) -> Iterator[bool]:
+    """Call `fn()` again and again, sending SIGINT to this thread at the 1st, 2nd, ... bytecode
+    run in `filename`, until a call runs out of bytecodes first; yields whether each call
+    raised KeyboardInterrupt."""
+    main = threading.get_ident()
+    for k in itertools.count():
+        seen = 0
+
+        def trace(frame, event, arg, k=k):
+            nonlocal seen
+            if frame.f_code.co_filename != filename:
+                return None
+            frame.f_trace_opcodes = True
+            if event == "opcode":
+                seen += 1
+                if seen == k + 1:
+                    signal.pthread_kill(main, signal.SIGINT)  # handled at the next bytecode
+            return trace
+
+        sys.settrace(trace)
+        try:
+            fn()
+            time.sleep(0)  # a handler still pending runs here, inside the try
+            raised = False
+        except KeyboardInterrupt:
+            raised = True
+        finally:
+            sys.settrace(None)
+        yield raised
+        if seen <= k:  # the signal was never sent: every bytecode has been tried
+            return
+
+
+def test_a_signal_at_any_bytecode_of_the_write(tmp_path):
+    """Wherever SIGINT lands, no temporary file is left, the umask and the handlers are as they
+    were, and the output is either untouched or complete, recorded as written exactly then."""
+    from mmferry.commands import outfile
+
+    out = tmp_path / "o.bin"
+    new = b"the new output " * 4096
+    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    done: list[Path] = []
+
+    def attempt() -> None:
+        out.write_bytes(b"old")
+        done.clear()
+        outfile.write_atomic(out, lambda f: f.write(new), done)
+
+    outcomes = collections.Counter()
+    for raised in _sweep_signals(attempt, outfile.__file__):
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["o.bin"]
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+        current = os.umask(umask)
+        assert current == umask
+        content = out.read_bytes()
+        assert content in (b"old", new)
+        assert (content == new) == bool(done)
+        assert raised or content == new  # a normal return means the output is written
+        outcomes[(raised, content == new)] += 1
+    # Signals before the rename stop the write; later ones find it done.
+    assert outcomes[(True, False)] > 10 and outcomes[(False, True)] > 10, outcomes
+
+
+def test_a_model_that_cannot_be_built_is_one_line(tmp_path, monkeypatch, capsys):
+    _png(tmp_path / "a.png", 64, 64, 0)
+    out = tmp_path / "o.safetensors"
+    argv = [str(tmp_path / "a.png"), "--out", str(out), "--model", str(tmp_path / "nowhere")]
+    rc, stderr = _run_in_process(monkeypatch, capsys, argv)
+    assert rc == 2 and "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [
+        f"mmferry encode: cannot build the model: no config.json in {tmp_path / 'nowhere'}; "
+        "nothing written"
+    ]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_written_file_is_safetensors(tmp_path, dtype):
+    """`encoded.write` streams what safetensors' own writer holds: same tensors and metadata,
+    and safetensors reads it back (views and repeated tensors included)."""
+    from safetensors import safe_open
+
+    from mmferry.server.encoded import EncodedItem, from_bytes, to_bytes, write
+
+    rows = torch.randn(7, 16).to(dtype)
+    items = [
+        EncodedItem("image", rows, (rows * 2,), (1, 2, 14), 7, "a", "ä.png"),
+        EncodedItem("video", rows[2:5], (), (2, 1, 6), 3, "b", "v.mp4"),  # a view
+        EncodedItem("image", rows, (rows * 2,), (1, 2, 14), 7, "a", "again.png"),  # a repeat
+    ]
+    path = tmp_path / "o.safetensors"
+    with open(path, "wb") as f:
+        write(items, f)
+    ours, theirs = load_file(path), from_bytes(to_bytes(items))
+    assert [i.facts() for i in ours] == [i.facts() for i in theirs] == [i.facts() for i in items]
+    for a, b in zip(ours, items):
+        assert a.embeds.dtype == dtype and torch.equal(a.embeds, b.embeds)
+        assert all(torch.equal(x, y) for x, y in zip(a.deepstack, b.deepstack))
+    with safe_open(str(path), framework="pt") as f:
+        keys = sorted(f.keys())  # noqa: SIM118 - safe_open has no iter
+    assert keys == ["0.deepstack.0", "0.embeds", "1.embeds", "2.deepstack.0", "2.embeds"]

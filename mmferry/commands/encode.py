@@ -1,26 +1,30 @@
 """`mmferry encode INPUTS... --out FILE`: images and videos -> one safetensors file, atomically.
 
 Inputs are files, folders (searched recursively for known image and video suffixes) and
-globs. A bad input is reported and skipped; the good ones are written. The output appears only
-complete: it is written to a temporary file beside it and renamed; an error or an interrupt
-(SIGINT, SIGTERM) removes the temporary file.
-Exit status: 0 all encoded, 1 some inputs failed (the rest written), 2 nothing written.
+globs. An input that fails (unreadable, refused, or its encode fails) is named on one line and
+skipped; the others are written. The output appears only complete: it is written beside its
+final name, synced and renamed; an error or an interrupt (SIGINT, SIGTERM) before the rename
+leaves nothing and an existing file as it was. --out is checked before any work.
+Exit status: 0 all encoded; 1 some inputs failed, the rest written; 2 nothing written: no
+inputs, all failed, the model cannot be built, or --out unusable (a folder, not writable);
+3 nothing written: the write failed (no space, I/O error); 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
-import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
+from mmferry.commands import UsageError
 from mmferry.commands.model_args import add_model_args, build
+from mmferry.commands.outfile import OutputError, check_target, write_atomic
 
 IMAGE_SUFFIXES = frozenset([".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"])
 VIDEO_SUFFIXES = frozenset([".mp4", ".mkv", ".webm", ".mov", ".avi", ".m4v"])
@@ -65,10 +69,10 @@ def expand_inputs(inputs: list[str]) -> tuple[list[Path], list[tuple[str, str]]]
 class Progress:
     """A one-line progress bar on a terminal (items/s, tokens/s); silent otherwise."""
 
-    def __init__(self, total: int, stream=sys.stderr) -> None:
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
         self.total = total
-        self.stream = stream
-        self.tty = stream.isatty()
+        self.stream = sys.stderr if stream is None else stream  # the one in place now
+        self.tty = self.stream.isatty()
         self.t0 = time.perf_counter()
         self.done = self.tokens = 0
 
@@ -120,56 +124,67 @@ def _batches(items: list, budget: int) -> Iterator[list]:
 
 def run(args: argparse.Namespace) -> int:
     """Encode every input; write one safetensors file; say what failed."""
+    written: list[Path] = []
     with sigterm_interrupts():
         try:
-            return _run(args)
+            return _run(args, written)
         except KeyboardInterrupt:
-            print("mmferry encode: interrupted; nothing written", file=sys.stderr)
+            if written:  # the signal came after the rename: the output is complete
+                print(f"mmferry encode: interrupted; {written[0]} was written", file=sys.stderr)
+            else:
+                print("mmferry encode: interrupted; nothing written", file=sys.stderr)
             return 130
 
 
-def _run(args: argparse.Namespace) -> int:
-    from mmferry.server.encoded import EncodedItem, save_file
+def _why(e: Exception) -> str:
+    """One line for a failure; the type too where it is not a refusal or a file error."""
+    plain = isinstance(e, (ValueError, ImportError, OSError, UsageError))
+    text = str(e) if plain else f"{type(e).__name__}: {e}"
+    return " ".join(text.split())
 
+
+def _run(args: argparse.Namespace, written: list[Path]) -> int:
+    from mmferry.server.encoded import write
+
+    try:
+        check_target(args.out)
+    except OutputError as e:
+        print(f"mmferry encode: {e}; nothing written", file=sys.stderr)
+        return 2
     files, failed = expand_inputs(args.inputs)
     if not files:
         for src, why in failed:
             print(f"  {src}: {why}", file=sys.stderr)
         print("mmferry encode: no inputs to encode; nothing written", file=sys.stderr)
         return 2
-    proc, enc = build(args)
+    try:
+        proc, enc = build(args)
+    except Exception as e:  # noqa: BLE001 - a bad --model/--device: one line, not a traceback
+        print(
+            f"mmferry encode: cannot build the model: {_why(e)}; nothing written", file=sys.stderr
+        )
+        return 2
     print(f"mmferry encode: {len(files)} inputs with {enc!r}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     bar = Progress(len(files))
-    prepared = []
-    for path in files:
-        try:
-            if path.suffix.lower() in VIDEO_SUFFIXES:
-                item = proc.video(str(path), layout=args.layout)
-            else:
-                item = proc.image(str(path), layout=args.layout)
-        except (ValueError, ImportError) as e:
-            failed.append((str(path), str(e)))
-            bar.update(1, 0)
-            continue
-        prepared.append((path, item))
-    done: dict[str, object] = {}
-    encoded: list[EncodedItem] = []
-    for batch in _batches(prepared, max(args.batch_patches, 1)):
-        # Repeats (same hash) are encoded once.
-        todo = {it.hash: it for _, it in batch if it.hash not in done}
-        for key, out in zip(todo, enc(list(todo.values()))):
-            done[key] = out
-        for path, it in batch:
-            encoded.append(EncodedItem.of(it, done[it.hash], source=str(path)))
-        bar.update(len(batch), sum(it.num_tokens for _, it in batch))
+    prepared = _prepare(proc, files, args.layout, failed, bar)
+    encoded = _encode_all(enc, prepared, max(args.batch_patches, 1), failed, bar)
     bar.close()
     for src, why in failed:
         print(f"  FAILED {src}: {why}", file=sys.stderr)
     if not encoded:
         print(f"mmferry encode: all {len(failed)} inputs failed; nothing written", file=sys.stderr)
         return 2
-    _write_atomic(encoded, args.out, save_file)
+    try:
+        write_atomic(args.out, lambda f: write(encoded, f), written)
+    except OutputError as e:
+        print(f"mmferry encode: {e}; nothing written", file=sys.stderr)
+        return 2 if e.user else 3
+    except Exception as e:  # noqa: BLE001 - the file is removed; say why on one line
+        print(
+            f"mmferry encode: cannot write {args.out}: {_why(e)}; nothing written", file=sys.stderr
+        )
+        return 3
     tokens = sum(e.num_tokens for e in encoded)
     dt = time.perf_counter() - t0
     print(
@@ -180,18 +195,54 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _write_atomic(items: list, out: Path, save) -> None:
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Same folder as the target, so the rename is atomic (one filesystem).
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
+def _prepare(proc, files: list[Path], layout: str, failed: list, bar: Progress) -> list:
+    """(path, item) for each input that preprocesses; (path, why) in `failed` for the rest."""
+    prepared = []
+    for path in files:
+        try:
+            if path.suffix.lower() in VIDEO_SUFFIXES:
+                item = proc.video(str(path), layout=layout)
+            else:
+                item = proc.image(str(path), layout=layout)
+        except Exception as e:  # noqa: BLE001 - any failure of one input skips that input
+            failed.append((str(path), _why(e)))
+            bar.update(1, 0)
+            continue
+        prepared.append((path, item))
+    return prepared
+
+
+def _encode_all(enc, prepared: list, budget: int, failed: list, bar: Progress) -> list:
+    """The `EncodedItem`s of the prepared inputs, in order; (path, why) in `failed` for those
+    whose encode fails."""
+    from mmferry.server.encoded import EncodedItem
+
+    done: dict[str, object] = {}
+    encoded: list[EncodedItem] = []
+    for batch in _batches(prepared, budget):
+        # Repeats (same hash) are encoded once.
+        todo = {it.hash: it for _, it in batch if it.hash not in done}
+        done.update(zip(todo, _encode_each(enc, list(todo.values()))))
+        for path, it in batch:
+            out = done[it.hash]
+            try:
+                if isinstance(out, Exception):
+                    raise out
+                encoded.append(EncodedItem.of(it, out, source=str(path)))
+            except Exception as e:  # noqa: BLE001 - its encode failed, or gave the wrong rows
+                failed.append((str(path), _why(e)))
+        bar.update(len(batch), sum(it.num_tokens for _, it in batch))
+    return encoded
+
+
+def _encode_each(enc, items: list) -> list:
+    """The encoder's outputs for `items`, an Exception in place of each item that fails."""
+    if not items:
+        return []
     try:
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the output is an ordinary file
-        save(items, tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        return list(enc(items))
+    except Exception as e:  # noqa: BLE001
+        if len(items) == 1:
+            return [e]
+    # One bad item must not cost its batch: each is encoded alone, and only failures skipped.
+    return [out for it in items for out in _encode_each(enc, [it])]

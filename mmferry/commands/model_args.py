@@ -69,8 +69,9 @@ def check_device(device: str) -> None:
 
 
 def load_error(model: str, e: Exception) -> UsageError:
-    """A checkpoint folder that cannot be read, as one line naming it."""
-    return UsageError(f"--model {quoted(model)}: {e}")
+    """A checkpoint folder that cannot be read, as one line naming it (once)."""
+    text = " ".join(str(e).split())
+    return UsageError(text if str(model) in text else f"--model {quoted(model)}: {text}")
 
 
 def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]

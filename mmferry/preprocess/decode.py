@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, UnidentifiedImageError
 
 from mmferry.preprocess.buffers import empty_host
 
@@ -31,6 +32,25 @@ _MODE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "I;16N
 # many pixels, so no whole-image intermediate (RGBA, composite) is ever held.
 BYTES_PER_ALLOWED_PIXEL = 4
 _STRIP_PIXELS = 1 << 18
+# NOTE: what Pillow's format plugins raise for a malformed header, metadata block or pixel
+# stream: besides OSError, a non-numeric PPM field is a ValueError from int(), a PNG text or
+# ICC chunk that inflates past Pillow's limit a ValueError, an unknown DDS layout a
+# NotImplementedError, a short TIFF/EXIF field a struct.error. All are facts about the bytes,
+# so each becomes a ValueError naming the source (a 4xx in the service, a skipped input in
+# `mmferry encode`), never a crash.
+_UNREADABLE = (
+    OSError,
+    SyntaxError,
+    ValueError,
+    NotImplementedError,
+    EOFError,
+    IndexError,
+    KeyError,
+    TypeError,
+    ZeroDivisionError,
+    OverflowError,
+    struct.error,
+)
 
 
 @dataclass(frozen=True)
@@ -75,15 +95,30 @@ def read_source_bytes(source: Any, kind: str = "image") -> bytes | None:
     return None
 
 
+# EXIF orientation -> the turn that shows the stored pixels upright (ImageOps.exif_transpose's).
+_UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
 def _orientation(im: Image.Image) -> int:
-    return im.getexif().get(_EXIF_ORIENTATION, 1)
+    # A tag Pillow cannot read as a number (stored as text, as several values) is ignored,
+    # as exif_transpose ignores it: no viewer could apply it either.
+    value = im.getexif().get(_EXIF_ORIENTATION, 1)
+    return value if isinstance(value, int) and value in _UPRIGHT else 1
 
 
 def decode_peak_bytes(im: Image.Image) -> int:
     """Most bytes decoding and converting `im` holds at once (known from the header)."""
     src = _MODE_BYTES.get(im.mode, 4) * im.width * im.height
     # exif_transpose makes one turned copy in the source mode.
-    turned = src if _orientation(im) in (2, 3, 4, 5, 6, 7, 8) else 0
+    turned = src if _orientation(im) != 1 else 0
     return src + turned + 3 * im.width * im.height
 
 
@@ -94,8 +129,10 @@ def _open_checked(data: bytes, name: str, max_pixels: int) -> Image.Image:
         im = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:
         raise ValueError(f"image {name} is too large to decode safely: {e}") from None
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+    except UnidentifiedImageError as e:
         raise ValueError(f"cannot decode image {name}: not a readable image ({e})") from None
+    except _UNREADABLE as e:
+        raise ValueError(f"cannot decode image {name}: corrupt header or metadata ({e})") from None
     # NOTE: checked on the header size, before any pixel is decoded (decompression bombs).
     if im.width * im.height > max_pixels:
         raise ValueError(
@@ -104,7 +141,7 @@ def _open_checked(data: bytes, name: str, max_pixels: int) -> Image.Image:
         )
     try:
         peak = decode_peak_bytes(im)  # reads the EXIF block, which may be cut short
-    except (OSError, SyntaxError, ValueError) as e:
+    except _UNREADABLE as e:
         raise ValueError(f"cannot decode image {name}: corrupt or truncated ({e})") from None
     budget = BYTES_PER_ALLOWED_PIXEL * max_pixels
     if peak > budget:
@@ -119,7 +156,7 @@ def _open_checked(data: bytes, name: str, max_pixels: int) -> Image.Image:
 def _load(im: Image.Image, name: str) -> None:
     try:
         im.load()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+    except (*_UNREADABLE, Image.DecompressionBombError) as e:
         raise ValueError(f"cannot decode image {name}: corrupt or truncated ({e})") from None
 
 
@@ -150,10 +187,12 @@ def _decode_rgbx(im: Image.Image, name: str) -> torch.Tensor | None:
 
 
 def _upright(im: Image.Image) -> Image.Image:
-    # Reading the tag is cheap; exif_transpose copies, so call it only when it changes pixels.
-    if _orientation(im) in (2, 3, 4, 5, 6, 7, 8):
-        im = ImageOps.exif_transpose(im)
-    return im
+    """The pixels as shown: turned by the EXIF orientation (a copy only when it turns)."""
+    # NOTE: the same turn as transformers' ImageOps.exif_transpose, without its rewrite of the
+    # EXIF block (only the pixels are used here): that rewrite re-encodes every tag and fails
+    # (TypeError, struct.error) on a valid image whose unrelated numeric tag is stored as text.
+    orientation = _orientation(im)
+    return im if orientation == 1 else im.transpose(_UPRIGHT[orientation])
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
@@ -268,6 +307,17 @@ def _check_array(arr: np.ndarray | torch.Tensor, name: str, layout: str) -> None
         raise ValueError(f"image {name} is empty: shape {tuple(arr.shape)}")
 
 
+def _without_negative_strides(arr: np.ndarray) -> np.ndarray:
+    """`arr` with no negative stride: a view when only axes of length 1 are flipped."""
+    # NOTE: the stride of an axis of length 1 never addresses memory, so numpy counts a1[::-1]
+    # as contiguous and np.ascontiguousarray returns it unchanged, negative stride and all.
+    # Such a stride is set to 0 without a copy; a flip of a longer axis needs the copy.
+    strides = tuple(0 if n == 1 else s for n, s in zip(arr.shape, arr.strides))
+    if min(strides) < 0:
+        return np.array(arr, order="C")  # a fresh array: positive strides only
+    return np.lib.stride_tricks.as_strided(arr, strides=strides, writeable=False)
+
+
 def pixels_identity(pixels: torch.Tensor, kind: bytes) -> tuple[bytes | memoryview, ...]:
     """Hash parts for raw pixels: kind, shape and the bytes (a view when contiguous)."""
     shape = ",".join(str(s) for s in pixels.shape).encode()
@@ -290,9 +340,9 @@ def decode_image(source: Any, max_pixels: int) -> DecodedImage:
         _check_array(source, name, "HWC")
         # NOTE: a strided array (a CHW buffer seen as HWC) is used as it lies: the resize makes
         # it channels-last with torch's copy, faster than numpy's. torch takes no negative
-        # strides (flipped views), so only those are copied here.
+        # strides (flipped views), so only those are undone here.
         if min(source.strides) < 0:
-            source = np.ascontiguousarray(source)
+            source = _without_negative_strides(source)
         with warnings.catch_warnings():
             # Read-only arrays (np.asarray of a PIL image) are common; mmferry only reads them.
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
@@ -309,6 +359,7 @@ def decode_image(source: Any, max_pixels: int) -> DecodedImage:
             raise ValueError(f"image {name} exceeds max_decoded_pixels={max_pixels}")
         # NOTE: no identity: orientation and a transparency key change the upright pixels,
         # so the key is taken over the upright pixels (image.py), which covers both.
+        _load(source, name)  # a lazily opened file: its decode errors name it
         return DecodedImage(_pil_to_chw(_upright(source), name), None)
     data = read_source_bytes(source)
     if data is None:

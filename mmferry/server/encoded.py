@@ -11,7 +11,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -114,11 +114,46 @@ def to_bytes(items: Sequence[EncodedItem]) -> bytes:
     return save(_tensors(items), metadata=_metadata(items))
 
 
+# torch dtype -> the safetensors name of it (encoder outputs are floating point).
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+}
+
+
+def write(items: Sequence[EncodedItem], f: BinaryIO) -> None:
+    """Write every item to the open binary file `f` as safetensors, one tensor at a time."""
+    # NOTE: written here rather than by safetensors' save_file, which builds the file under a
+    # name of its own (mode 0600, never synced) and renames it over the path: the caller could
+    # then neither sync nor remove what it writes. The layout is safetensors': a little-endian
+    # u64 header length, the JSON header padded with spaces to 8 bytes, the tensors' bytes in
+    # header order. The whole file is never held in memory.
+    tensors = _tensors(items)
+    header: dict[str, Any] = {"__metadata__": _metadata(items)}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; safetensors output takes floats")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write(struct.pack("<Q", len(raw)) + raw)
+    for t in tensors.values():
+        f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
 def save_file(items: Sequence[EncodedItem], path: str | Path) -> None:
     """Write every item to `path` as safetensors (the caller makes it atomic)."""
-    from safetensors.torch import save_file as _save
-
-    _save(_tensors(items), str(path), metadata=_metadata(items))
+    with open(path, "wb") as f:
+        write(items, f)
 
 
 def _build(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> list[EncodedItem]:

@@ -146,3 +146,49 @@ def test_zero_min_pixels_tiny_image_is_a_value_error():
     cfg = preset("qwen2-vl").replace(image_min_pixels=0)
     with pytest.raises(ValueError, match="min_pixels"):
         process_image(np.zeros((10, 10, 3), np.uint8), cfg)
+
+
+def _png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def _png_with_chunk(kind: bytes, body: bytes, *, after_data: bool) -> bytes:
+    """A valid 32x32 PNG with one extra chunk before its pixel data or just before IEND."""
+    data = encode(Image.fromarray(gradient(32, 32)), "PNG")
+    at = len(data) - 12 if after_data else 33  # IEND is the last 12 bytes; IHDR ends at 33
+    return data[:at] + _png_chunk(kind, body) + data[at:]
+
+
+# 8 MiB of zeros deflate to 8 KiB: past Pillow's limit on inflated metadata (1 MiB).
+_INFLATES_FAR = zlib.compress(bytes(8 << 20), 9)
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "after_data"),
+    [
+        (b"zTXt", b"Comment\0\0" + _INFLATES_FAR, False),
+        (b"zTXt", b"Comment\0\0" + _INFLATES_FAR, True),
+        (b"iTXt", b"Comment\0\1\0\0\0" + _INFLATES_FAR, False),
+        (b"iCCP", b"icc\0\0" + _INFLATES_FAR, False),
+    ],
+    ids=["zTXt", "zTXt-after-data", "iTXt", "iCCP"],
+)
+def test_png_metadata_inflating_past_the_limit(tmp_path, kind, body, after_data):
+    data = _png_with_chunk(kind, body, after_data=after_data)
+    with pytest.raises(ValueError, match=r"<bytes of length \d+>: .*too large"):
+        process_image(data, CFG)
+    path = tmp_path / "bomb.png"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=rf"cannot decode image {path}: .*too large"):
+        process_image(path, CFG)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"P6\nab 2\n255\n", b"P6\n2 x2\n255\n", b"P6\n2 2\n2z5\n", b"P6\n-2 2\n255\n"],
+    ids=["width", "height", "maxval", "negative"],
+)
+def test_ppm_with_a_non_numeric_header_field(header):
+    data = header + bytes(12)
+    with pytest.raises(ValueError, match=rf"cannot decode image <bytes of length {len(data)}>: "):
+        process_image(data, CFG)

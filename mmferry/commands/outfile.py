@@ -1,0 +1,144 @@
+"""Writing a command's output file so that it appears complete or not at all.
+
+The file is created under a temporary name beside its target (one filesystem, so the rename is
+atomic), written, synced, renamed over the target, and the folder is synced. SIGINT and SIGTERM
+are only recorded from the creation of the temporary file to the rename: one that arrives before
+the rename stops the write there and removes the temporary file; none can land between creating
+the file and the code that removes it, or between the rename and the record that it happened.
+The process umask is never changed: the file is created with mode 0o666 and the umask applies.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+# errno values that say the path given cannot be written (a mistake in the command line), as
+# opposed to a write that failed on a usable path (no space, quota, I/O error, file too large).
+_PATH_ERRORS = frozenset(
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.EISDIR,
+        errno.ENOTDIR,
+        errno.ENOENT,
+        errno.EEXIST,
+        errno.ENAMETOOLONG,
+        errno.ELOOP,
+    }
+)
+
+
+class OutputError(Exception):
+    """The output could not be written and nothing was left behind; `user`: the path is unusable."""
+
+    def __init__(self, message: str, *, user: bool) -> None:
+        super().__init__(message)
+        self.user = user
+
+
+def check_target(out: Path) -> None:
+    """OutputError unless a file can be created at `out`: checked before any work is done."""
+    out = out.resolve()
+    if out.is_dir():
+        raise OutputError(f"{out} is a folder; --out names the file to write", user=True)
+    folder = out.parent
+    while not folder.exists():  # the folders to be created: check the nearest that exists
+        folder = folder.parent
+    if not folder.is_dir():
+        raise OutputError(f"cannot create a folder for {out}: {folder} is not a folder", user=True)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write {out}: {folder} is not writable", user=True)
+
+
+@contextmanager
+def recorded_interrupts() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM appended to the yielded list instead of acted on, inside the block.
+
+    Main thread only (Python's signal handlers live there).
+    """
+    caught: list[int] = []
+
+    def record(signum: int, frame: object) -> None:
+        caught.append(signum)
+
+    previous_int = signal.getsignal(signal.SIGINT)
+    previous_term = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGINT, record)
+        signal.signal(signal.SIGTERM, record)
+        yield caught
+    finally:
+        # NOTE: once the first handler is back, its signal can raise before the second is: it
+        # is caught, both are put back (again), and only then is it raised. Before the first
+        # is back, both only record, so nothing can stop this block before its `try`.
+        interrupted: KeyboardInterrupt | None = None
+        while True:
+            try:
+                _restore(signal.SIGINT, previous_int)
+                _restore(signal.SIGTERM, previous_term)
+                break
+            except KeyboardInterrupt as e:
+                interrupted = e
+        if interrupted is not None:
+            raise interrupted
+
+
+def _restore(signum: int, handler: object) -> None:
+    if handler is not None:  # None: installed outside Python, cannot be put back from here
+        signal.signal(signum, handler)
+
+
+def write_atomic(out: Path, write: Callable[[BinaryIO], None], done: list[Path]) -> None:
+    """Write `out` with `write(file)`, atomically and synced; `done` gets `out` at the rename.
+
+    KeyboardInterrupt (SIGINT, SIGTERM turned into it) before the rename: nothing is left and
+    `out` is as it was. OutputError when it cannot be written (nothing is left either).
+    """
+    out = out.resolve()
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(6)}.tmp")
+    try:
+        with recorded_interrupts() as caught:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            # O_EXCL: the name is ours alone, so removing it below never removes another file.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            try:
+                with open(fd, "wb") as f:
+                    write(f)
+                    f.flush()
+                    os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+                if caught:
+                    raise KeyboardInterrupt
+                os.replace(tmp, out)
+                done.append(out)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            _sync_folder(out.parent)
+    except OSError as e:
+        # The path the system names, when it is not the output or its temporary (a folder).
+        where = f" ({e.filename})" if e.filename and Path(e.filename) not in (out, tmp) else ""
+        why = e.strerror or str(e)
+        raise OutputError(f"cannot write {out}{where}: {why}", user=e.errno in _PATH_ERRORS) from e
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make the rename durable. Some filesystems cannot sync a folder: the rename then is as
+    durable as they make it, and the file itself is already synced."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
