@@ -18,7 +18,7 @@ import torch
 
 from mmferry.bench import harness
 from mmferry.items import MultimodalItem
-from mmferry.models import preset
+from mmferry.models import preset, spec_for
 from mmferry.prompt.expand import expand_prompt
 from mmferry.prompt.mrope import VisionSpan, mrope_positions
 from mmferry.testing.checkpoints import tiny_base_model
@@ -62,7 +62,9 @@ def _spans(out, items, family: str) -> list[VisionSpan]:
     spans = []
     for item, offsets in zip(items, out.offsets):
         t, h, w = item.grid_thw
-        step = 2.0 if family == "qwen2_5_vl" and item.modality == "video" else 1.0
+        # Qwen2.5-VL's video time axis advances tokens_per_second (2) x 1 s per temporal patch.
+        timed = spec_for(family).video_time_in_mrope and item.modality == "video"
+        step = 2.0 if timed else 1.0
         for start, _ in offsets:
             frames = 1 if len(offsets) > 1 else t
             spans.append(VisionSpan(start, frames, h // 2, w // 2, step))
@@ -86,7 +88,7 @@ def run(report: harness.Report, quick: bool) -> None:
             video_grid_thw=torch.tensor([it.grid_thw for it in items if it.modality == "video"]),
             attention_mask=torch.ones_like(ids_t),
         )
-        if family == "qwen2_5_vl":
+        if spec_for(family).video_time_in_mrope:
             kwargs["second_per_grid_ts"] = torch.tensor([1.0])
         baseline = partial(model.get_rope_index, ids_t, types, **kwargs)
         spans = _spans(out, items, family)
