@@ -1,12 +1,22 @@
-"""Recycled host buffers: a mapping is handed out again only once every tensor on it is gone,
-the cache stays within its byte limit and idle time, and the setting is read and checked."""
+"""Recycled host buffers: a mapping is handed out again only once every tensor on it is gone
+(also after `share_memory_` moved the tensor out of it), freeing a tensor never waits on a lock,
+a tensor's storage is exactly its own bytes, the cache stays within its byte limit and idle
+time, and the setting is read and checked."""
 
 from __future__ import annotations
 
 import gc
+import io
 import multiprocessing as mp
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +29,7 @@ from mmferry.preprocess.image import process_image
 from .conftest import gradient
 
 MIB = 1 << 20
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -32,6 +43,11 @@ def cache(monkeypatch):
 
 def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    # An int, so that a failed assert does not print the storage.
+    return t.untyped_storage().nbytes()
 
 
 def test_a_freed_buffer_is_reused_with_its_pages(cache):
@@ -156,3 +172,85 @@ def test_a_forked_child_starts_with_an_empty_cache():
     p.join(60)
     assert p.exitcode == 0
     assert cached == 0 and numel == 8 * MIB
+
+
+def test_freeing_a_buffer_inside_a_gc_pass_never_deadlocks():
+    """The finalizer that hands a mapping back can run inside a collection started by an
+    allocation the cache makes while its thread holds the cache's lock. Each threshold moves
+    the collection to another allocation; the child must finish every one."""
+    script = textwrap.dedent(
+        """
+        import faulthandler, gc, sys, torch
+        from mmferry.preprocess.buffers import empty_host
+
+        faulthandler.dump_traceback_later(20, exit=True)  # a hang fails with its stacks
+        gc.freeze()  # what is alive now is never garbage: keeps each collection short
+        MIB = 1 << 20
+        for threshold in range(1, 201):
+            idle = empty_host((8 * MIB,), torch.uint8)
+            del idle  # one buffer idle in the cache
+            cycle = [empty_host((8 * MIB,), torch.uint8)]
+            cycle.append(cycle)
+            del cycle  # garbage until the next collection, which frees its buffer
+            gc.set_threshold(threshold)
+            t = empty_host((8 * MIB,), torch.uint8)
+            gc.set_threshold(700)
+            del t
+            gc.collect()
+        print("done")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MMFERRY_HOST_CACHE_MB": "64"}
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"freeing a buffer deadlocked: {e.stderr}")
+    assert p.returncode == 0 and p.stdout.strip() == "done", p.stderr
+
+
+def test_a_saved_feature_holds_only_its_own_bytes(cache):
+    """A smaller item in a recycled buffer: saving, pickling or sharing its feature carries
+    its own bytes and none of the larger item that used the buffer before."""
+    cfg = preset("qwen3-vl")
+    first = process_image(gradient(1024, 1024, 3), cfg, layout="hf").feature
+    tail = first[-8:].numpy().tobytes()  # past the end of the next, smaller feature
+    del first
+    gc.collect()
+    hits = cache.hits
+    item = process_image(np.zeros((896, 1024, 3), np.uint8), cfg, layout="hf")
+    assert cache.hits > hits  # the feature did land in the first one's buffer
+    feature = item.feature
+    own = feature.numel() * feature.element_size()
+    assert _storage_bytes(feature) == own
+    saved = io.BytesIO()
+    torch.save(feature, saved)
+    pickled = pickle.dumps(item)
+    for data in (saved.getvalue(), pickled, pickle.dumps(feature)):
+        assert own < len(data) < own + 64 * 1024
+        assert tail not in data, "another item's rows were written out"
+    assert _storage_bytes(torch.load(io.BytesIO(saved.getvalue()))) == own
+    assert _storage_bytes(pickle.loads(pickled).feature) == own
+    feature.share_memory_()
+    assert _storage_bytes(feature) == own
+    assert torch.equal(feature, pickle.loads(pickled).feature)
+
+
+def test_share_memory_after_numpy_keeps_the_pages_for_the_array(cache):
+    """`share_memory_` moves the tensor into new memory; an array taken before still reads
+    the old pages, so they stay out of the cache until the array is gone."""
+    a = empty_host((8 * MIB,), torch.uint8)
+    a.fill_(3)
+    arr = a[MIB:].numpy()
+    a.share_memory_()
+    assert a.is_shared()
+    del a
+    gc.collect()
+    assert cache.cached_bytes == 0, "pages an array still reads went back to the cache"
+    b = empty_host((8 * MIB,), torch.uint8)
+    b.fill_(9)
+    assert (arr == 3).all()
+    del arr
+    gc.collect()
+    assert cache.cached_bytes > 0
