@@ -22,8 +22,10 @@ A tensor's storage is exactly its own bytes of the mapping (a memoryview slice, 
 the rest holds whatever an earlier item left there. The storage holds the slice alive, and so
 does the storage's Python object, which lives as long as the storage: after share_memory_ has
 moved the tensor into shared memory, an array taken earlier with `.numpy()` still reads the
-old pages, and they stay lent until it is gone. Only when the slice is freed is the mapping
-handed back, by a finalizer. A finalizer runs inside whatever allocation started a garbage
+old pages, and they stay lent until it is gone. Buffers under 4 MiB come from torch's
+allocator and are held the same way, so share_memory_ cannot free them under an array either
+(as it does a plain tensor's). Only when the slice is freed is the mapping handed back, by a
+finalizer. A finalizer runs inside whatever allocation started a garbage
 collection, also one made while its own thread holds the cache's lock, so it takes no lock and
 never blocks: it appends the mapping to a queue, which the next `take` or the reaper drains.
 """
@@ -207,18 +209,35 @@ def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor; huge-page backed (and recycled) when large."""
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < _HUGE_MIN_BYTES or not _CAN_ADVISE:
+    if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
+    pages = _huge_pages(nbytes) if nbytes >= _HUGE_MIN_BYTES and _CAN_ADVISE else None
+    if pages is None:
+        # torch's allocator, wrapped like the mappings (below) so that share_memory_ cannot
+        # free it under an array either, as it does a plain tensor's.
+        pages = torch.empty(nbytes, dtype=torch.uint8).numpy()
+    t = torch.frombuffer(pages, dtype=dtype)
+    # NOTE: share_memory_ swaps the storage's memory for a shared copy and lets go of `pages`,
+    # while an array from `.numpy()` (holding only the tensor) still points into them. The
+    # storage's Python object lives exactly as long as the storage does, so holding `pages`
+    # there too keeps them (out of the cache) until no tensor or array is left.
+    t.untyped_storage()._mmferry_pages = pages
+    return t.view(shape)
+
+
+def _huge_pages(nbytes: int) -> memoryview | None:
+    """`nbytes` of a recycled or new huge-page mapping, from a 2 MiB boundary on; None when
+    no mapping can be made."""
     # Room to start on a 2 MiB boundary, rounded to whole huge pages.
     size = -(-(nbytes + _HUGE_PAGE) // _HUGE_PAGE) * _HUGE_PAGE
     mm = _cache.take(size) if _cache.limit_bytes else None
     if mm is None:
         mm = _new_mapping(size)
         if mm is None:
-            return torch.empty(shape, dtype=dtype)
+            return None
     # Start on a 2 MiB boundary so every full huge page of the tensor can be backed by one.
     start = -_address(mm) % _HUGE_PAGE
-    # NOTE: the storage is exactly the tensor's bytes, not the whole mapping: torch.save,
+    # NOTE: the storage gets exactly the tensor's bytes, not the whole mapping: torch.save,
     # pickle and share_memory_ copy a whole storage, which would carry the alignment slack and
     # whatever an earlier, larger item left in the rest of the mapping.
     view = memoryview(mm)[start : start + nbytes]
@@ -226,13 +245,7 @@ def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # The storage holds `view`; when the last tensor on it is freed, so is `view`, and
         # only then does the mapping go back to the cache.
         _cache.lend(mm, view)
-    t = torch.frombuffer(view, dtype=dtype)
-    # NOTE: share_memory_ swaps the storage's memory for a shared copy and lets go of `view`,
-    # while an array from `.numpy()` (holding only the tensor) still points into the mapping.
-    # The storage's Python object lives exactly as long as the storage does, so holding
-    # `view` there too keeps the mapping out of the cache until no tensor or array is left.
-    t.untyped_storage()._mmferry_pages = view
-    return t.view(shape)
+    return view
 
 
 def _address(mm: mmap.mmap) -> int:

@@ -261,6 +261,28 @@ def test_share_memory_after_numpy_keeps_the_pages_for_the_array(cache):
     assert cache.cached_bytes > 0
 
 
+def test_share_memory_after_numpy_never_frees_a_small_buffer():
+    """Under the huge-page size buffers come from torch's allocator, whose share_memory_
+    frees the old memory under the array (a crash): in a child, so that one fails the test."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from mmferry.preprocess.buffers import empty_host
+
+        a = empty_host((1 << 20,), torch.uint8).fill_(3)
+        arr = a.numpy()
+        a.share_memory_()
+        others = [empty_host((1 << 20,), torch.uint8).fill_(9) for _ in range(8)]
+        print("ok" if (arr == 3).all() else "changed")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stdout, p.stderr)
+
+
 STRESS_SECONDS = 30.0
 
 
