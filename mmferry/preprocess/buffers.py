@@ -177,7 +177,10 @@ class HostBufferCache:
 
 def _close(mappings: list[mmap.mmap]) -> None:
     for m in mappings:
-        m.close()
+        # A mapping handed back has no buffer left on it; were one left, the mapping goes
+        # when it does (dropping ours is enough), and the reaper must not die of it.
+        with contextlib.suppress(BufferError):
+            m.close()
 
 
 _cache = HostBufferCache(Env.read().host_cache_mb << 20)
