@@ -6,10 +6,14 @@ as transformers' `load_image` does). Baselines: transformers' `Qwen2VLImageProce
 (here) and transformers' default torchvision `Qwen2VLImageProcessor`, which runs in its own
 environment (`--baseline-venv DIR`, created with torch 2.14.1 + torchvision 0.29.1 when
 missing) as a worker process that times its own rounds; its rounds interleave with
-mmferry's. Floors: one 12 MP image (a decoded HWC array) against one uint8 resize plus one
-write of the output. Video: a seeded 60 s 1280x720 H.264 clip (a keyframe every 2 s),
-sampled at 0.25 and 2 fps, against today's decoder (every frame decoded up to the last
-sampled one, held at full size, then resized), kept here as the reference.
+mmferry's. The same 16 sizes every round let mmferry's buffer cache (preprocess/buffers.py)
+hit nearly always, so a second image workload gives every round new sizes (none repeats
+across rounds), JPEG bytes, with mmferry timed with its cache on and off beside the PIL
+processor. Every output is checked first: against the baselines, and mmferry's in recycled
+buffers against fresh pages. Floors: one 12 MP image (a decoded HWC array) against one uint8
+resize plus one write of the output. Video: a seeded 60 s 1280x720 H.264 clip (a keyframe
+every 2 s), sampled at 0.25 and 2 fps, against today's decoder (every frame decoded up to the
+last sampled one, held at full size, then resized), kept here as the reference.
 
 Run: python -m mmferry.bench.preprocess [--quick] [--rounds N] [--baseline-venv DIR] [--json PATH]
 """
@@ -25,7 +29,8 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +49,9 @@ from mmferry.bench.harness import (
     timed,
 )
 from mmferry.models import preset
+from mmferry.preprocess import buffers
 from mmferry.preprocess import video as video_mod
-from mmferry.preprocess.buffers import empty_host
+from mmferry.preprocess.buffers import HostBufferCache, empty_host, host_cache
 from mmferry.preprocess.image import process_image
 from mmferry.preprocess.patchify import resize_u8
 from mmferry.preprocess.resize import smart_resize
@@ -99,6 +105,43 @@ def make_images(quick: bool) -> list[bytes]:
         Image.fromarray(_smooth_field(rng, w, h)).save(buf, "JPEG", quality=90)
         out.append(buf.getvalue())
     return out
+
+
+def distinct_batches(quick: bool, batches: int) -> list[list[bytes]]:
+    """`batches` lists of JPEG bytes, one per round: the image workload's sizes, grown by
+    another step in each list, so that no size repeats across rounds (and the resized sizes
+    differ too: each step moves the width by more than the 32-pixel rounding)."""
+    base = SIZES[8:] if quick else SIZES
+    sizes = [[(w + 40 * (b + 1), h + 24 * (b + 1)) for w, h in base] for b in range(batches)]
+    flat = [size for batch in sizes for size in batch]
+    if len(set(flat)) != len(flat):
+        raise AssertionError("the distinct-size workload repeats a size")
+    # One field to crop every image from: generating each would take longer than the run.
+    field = _smooth_field(
+        np.random.default_rng(4321), max(w for w, _ in flat) + 64, max(h for _, h in flat) + 64
+    )
+    out = []
+    for b, batch in enumerate(sizes):
+        datas = []
+        for i, (w, h) in enumerate(batch):
+            y, x = (7 * i + 3 * b) % 64, (5 * i + 11 * b) % 64
+            buf = io.BytesIO()
+            crop = np.ascontiguousarray(field[y : y + h, x : x + w])
+            Image.fromarray(crop).save(buf, "JPEG", quality=90)
+            datas.append(buf.getvalue())
+        out.append(datas)
+    return out
+
+
+@contextmanager
+def cache_off() -> Iterator[None]:
+    """mmferry's buffer cache off for the block (MMFERRY_HOST_CACHE_MB=0): fresh pages."""
+    real = buffers._cache
+    buffers._cache = HostBufferCache(0)
+    try:
+        yield
+    finally:
+        buffers._cache = real
 
 
 def load_pil(data: bytes) -> Image.Image:
@@ -239,6 +282,59 @@ def image_figures(
                 )
 
 
+def distinct_figures(report: Report, batches: list[list[bytes]], cfg, rounds: int) -> None:
+    """JPEG bytes of sizes new every round (one batch a round, the same for every side),
+    mmferry with its buffer cache on and off, beside transformers' PIL processor."""
+    pil_proc = _pil_processor(cfg)
+    cache = host_cache()
+    counts = {"hf": [0, 0], "cu": [0, 0]}  # cache hits, misses over the calls of a side
+
+    def side(work: Callable[[list[bytes]], object]) -> Callable[[], float]:
+        # Each side takes the next batch at every call: warm-up and rounds alike.
+        batch = iter(batches)
+        return timed(lambda: work(next(batch)))
+
+    def ours(key: str, layout: str, on: bool) -> Callable[[list[bytes]], None]:
+        def work(datas: list[bytes]) -> None:
+            if not on:
+                with cache_off():
+                    for d in datas:
+                        process_image(d, cfg, layout=layout)
+                return
+            hits, misses = cache.hits, cache.misses
+            for d in datas:
+                process_image(d, cfg, layout=layout)
+            counts[key][0] += cache.hits - hits
+            counts[key][1] += cache.misses - misses
+
+        return work
+
+    runners = {
+        "pil": side(lambda ds: [pil_proc(images=[load_pil(d)], return_tensors="pt") for d in ds]),
+        "hf": side(ours("hf", "hf", True)),
+        "hf off": side(ours("hf", "hf", False)),
+        "cu": side(ours("cu", "compact-u8", True)),
+        "cu off": side(ours("cu", "compact-u8", False)),
+    }
+    times = interleave(runners, rounds=rounds)
+    n = len(batches[0])
+    for layout, key in (("hf", "hf"), ("compact-u8", "cu")):
+        hits, misses = counts[key]
+        for off in (False, True):
+            mine = times[f"{key} off" if off else key]
+            report.add(
+                Figure(
+                    f"{n} JPEGs of sizes new every round, {layout}"
+                    + (", mmferry's buffer cache off" if off else ""),
+                    "transformers PIL processor",
+                    times["pil"],
+                    mine,
+                    note=f"{n / np.median(mine):.1f} images/s"
+                    + ("" if off else f", buffer cache hits {hits}/{hits + misses}"),
+                )
+            )
+
+
 def settings(cfg) -> dict:
     return {
         "patch_size": cfg.patch_size,
@@ -252,28 +348,44 @@ def settings(cfg) -> dict:
 
 
 def check_images(datas: list[bytes], cfg, worker: TorchvisionWorker | None, tmp: str) -> None:
-    """Outputs compared before anything is timed."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    proc = Qwen2VLImageProcessorPil(**settings(cfg))
-    std = torch.tensor(cfg.image_std).repeat_interleave(cfg.temporal_patch_size * 256)
-    for i in (0, len(datas) - 1):
-        ours = process_image(datas[i], cfg).feature
-        pil = proc(images=[load_pil(datas[i])], return_tensors="pt")["pixel_values"]
-        # PIL resamples differently from torch; compared in uint8 levels.
-        levels = (ours - pil).abs() * std * 255
-        if levels.max() > PIL_LEVELS or levels.mean() > 0.5:
-            raise AssertionError(f"image {i}: {levels.max():.1f} levels from the PIL processor")
-        compact = process_image(datas[i], cfg, layout="compact-u8").feature
-        check_equal(f"image {i}, compact-u8 as hf", _compact_as_hf(compact, cfg), ours, atol=1e-6)
+    """Every output compared before anything is timed."""
+    pil_proc = _pil_processor(cfg)
+    for i, data in enumerate(datas):
+        ours = _check_image(f"image {i}", data, cfg, pil_proc)
         if worker is not None:
             path = os.path.join(tmp, f"tv{i}.npy")
             worker.ask({"cmd": "check", "index": i, "kind": "jpeg", "out": path})
             tv = torch.from_numpy(np.load(path))
             # Same uint8 resize kernel; the decoders' Pillow versions may differ by a level.
             check_equal(f"image {i} vs torchvision processor", ours, tv, atol=2 / 255 / 0.5)
+
+
+def _pil_processor(cfg):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    return Qwen2VLImageProcessorPil(**settings(cfg))
+
+
+def _check_image(name: str, data: bytes, cfg, pil_proc) -> torch.Tensor:
+    """mmferry's hf rows of one JPEG: built in recycled buffers equal to fresh pages, within
+    the resamplers' difference of transformers' PIL processor, and equal to its compact-u8
+    rows; returns them."""
+    ours = process_image(data, cfg).feature
+    compact = process_image(data, cfg, layout="compact-u8").feature
+    with cache_off():
+        check_equal(f"{name}, hf, cache on vs off", ours, process_image(data, cfg).feature)
+        fresh = process_image(data, cfg, layout="compact-u8").feature
+        check_equal(f"{name}, compact-u8, cache on vs off", compact, fresh)
+    pil = pil_proc(images=[load_pil(data)], return_tensors="pt")["pixel_values"]
+    # PIL resamples differently from torch; compared in uint8 levels.
+    std = torch.tensor(cfg.image_std).repeat_interleave(cfg.temporal_patch_size * 256)
+    levels = (ours - pil).abs() * std * 255
+    if levels.max() > PIL_LEVELS or levels.mean() > 0.5:
+        raise AssertionError(f"{name}: {levels.max():.1f} levels from the PIL processor")
+    check_equal(f"{name}, compact-u8 as hf", _compact_as_hf(compact, cfg), ours, atol=1e-6)
+    return ours
 
 
 def _compact_as_hf(compact: torch.Tensor, cfg) -> torch.Tensor:
@@ -381,7 +493,7 @@ def video_figures(report: Report, cfg, rounds: int, quick: bool) -> None:
 # Where `--baseline-venv` puts the torchvision baseline by default; `mmferry bench preprocess`
 # uses it when it exists (create it once with `python -m mmferry.bench.preprocess --baseline-venv`).
 DEFAULT_BASELINE_VENV = Path(__file__).resolve().parents[2] / ".bench-venv"
-PARTS = ("images", "floor", "threads", "video")
+PARTS = ("images", "distinct", "floor", "threads", "video")
 
 
 def run(report: Report, quick: bool) -> None:
@@ -413,6 +525,14 @@ def measure(report: Report, *, quick: bool, rounds: int, baseline_venv: Path | N
         finally:
             if worker is not None:
                 worker.close()
+        if "distinct" in parts:
+            report.section("images of sizes new every round")
+            batches = distinct_batches(quick, rounds + 1)  # the warm-up takes one too
+            pil_proc = _pil_processor(cfg)
+            for b, batch in enumerate(batches):
+                for i, data in enumerate(batch):
+                    _check_image(f"round {b} image {i}", data, cfg, pil_proc)
+            distinct_figures(report, batches, cfg, rounds)
         if "floor" in parts:
             report.section("floor")
             floor_figures(report, cfg, rounds)

@@ -11,18 +11,33 @@ fitting size gets it back with its pages already present, as jemalloc and tcmall
 pages for reuse. The cache is bounded two ways:
 - in bytes (`MMFERRY_HOST_CACHE_MB`, default 2048; 0 turns it off): over the limit, the least
   recently freed go first;
-- in time: buffers idle for `IDLE_SECONDS` are released, by a timer while any are held.
+- in time: buffers idle for `IDLE_SECONDS` are released, by a daemon thread (the reaper) that
+  runs while the cache has buffers lent out or held.
 The cache can add at most its limit to the process's peak memory, and only buffers that were
 already in use a moment before.
-`release_host_cache()` empties it at once. The tensor holds its mapping alive; only when the
-last view of it is gone can the mapping be handed out again.
+`release_host_cache()` empties it at once.
+
+A tensor's storage is exactly its own bytes of the mapping (a memoryview slice, starting on a
+2 MiB boundary), never the rest: torch.save, pickle and share_memory_ copy whole storages, and
+the rest holds whatever an earlier item left there. The storage holds the slice alive, and so
+does the storage's Python object, which lives as long as the storage: after share_memory_ has
+moved the tensor into shared memory, an array taken earlier with `.numpy()` still reads the
+old pages, and they stay lent until it is gone. Buffers under 4 MiB come from torch's
+allocator and are held the same way, so share_memory_ cannot free them under an array either
+(as it does a plain tensor's). Only when the slice is freed is the mapping handed back, by a
+finalizer. A finalizer runs inside whatever allocation started a garbage
+collection, also one made while its own thread holds the cache's lock, so it takes no lock and
+never blocks: it appends the mapping to a queue, which the next `take` or the reaper drains.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
 import mmap
 import os
+import queue
 import threading
 import time
 import weakref
@@ -56,17 +71,24 @@ class HostBufferCache:
         self.idle_seconds = idle_seconds
         self._lock = threading.Lock()
         self._idle: list[_Idle] = []  # least recently freed first
-        self._timer: threading.Timer | None = None
+        # NOTE: filled by finalizers, which may run inside any allocation of any thread, also
+        # one holding `_lock`: they only append here and wake the reaper, never lock.
+        self._returned: collections.deque[mmap.mmap] = collections.deque()
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._lent = 0  # mappings whose tensors may still be alive
+        self._reaper: threading.Thread | None = None
         self.hits = 0
         self.misses = 0
 
     @property
     def cached_bytes(self) -> int:
+        self._settle()
         with self._lock:
             return sum(len(i.mapping) for i in self._idle)
 
     def take(self, size: int) -> mmap.mmap | None:
         """A cached mapping of `size` to `size * FIT` bytes (the smallest), or None."""
+        self._settle()
         with self._lock:
             fits = [i for i in self._idle if size <= len(i.mapping) <= size * _FIT]
             if not fits:
@@ -77,56 +99,88 @@ class HostBufferCache:
             self.hits += 1
             return best.mapping
 
-    def give(self, mapping: mmap.mmap) -> None:
-        """Keep a mapping whose tensors are gone, or release it when over the limit."""
-        if len(mapping) > self.limit_bytes:
-            _close([mapping])
-            return
+    def lend(self, mapping: mmap.mmap, owner: object) -> None:
+        """Take `mapping` back once `owner` (the memoryview its tensors hold) is gone."""
+        # Not at exit: the process is going away with its mappings.
+        weakref.finalize(owner, self.give, mapping).atexit = False
         with self._lock:
-            self._idle.append(_Idle(mapping, time.monotonic()))
-            dropped = []
+            self._lent += 1
+            if self._reaper is None:
+                self._reaper = threading.Thread(
+                    target=self._reap, name="mmferry-host-cache", daemon=True
+                )
+                self._reaper.start()
+
+    def give(self, mapping: mmap.mmap) -> None:
+        """Hand back a mapping whose tensors are gone. Never blocks and takes no lock: it runs
+        in finalizers, possibly inside an allocation made while this thread holds `_lock`."""
+        self._returned.append(mapping)
+        self._wake.put(None)
+
+    def release(self, older_than: float = 0.0) -> int:
+        """Release mappings idle for at least `older_than` seconds; returns the bytes freed."""
+        freed = self._settle(older_than)
+        self._wake.put(None)  # the reaper may have nothing left to wait for
+        return freed
+
+    def _settle(self, older_than: float | None = None) -> int:
+        """Keep the mappings handed back since the last call (the least recently freed are
+        closed past the byte limit), release those idle for `older_than` seconds; returns
+        the bytes released."""
+        dropped = []
+        with self._lock:
+            now = time.monotonic()
+            while self._returned:  # a finalizer may append meanwhile: taken now or next time
+                mapping = self._returned.popleft()
+                self._lent -= 1
+                if len(mapping) > self.limit_bytes:
+                    dropped.append(mapping)
+                else:
+                    self._idle.append(_Idle(mapping, now))
             total = sum(len(i.mapping) for i in self._idle)
             while total > self.limit_bytes:
                 idle = self._idle.pop(0)
                 dropped.append(idle.mapping)
                 total -= len(idle.mapping)
-            self._arm_timer()
-        _close(dropped)
-
-    def release(self, older_than: float = 0.0) -> int:
-        """Release mappings idle for at least `older_than` seconds; returns the bytes freed."""
-        cutoff = time.monotonic() - older_than
-        with self._lock:
-            dropped = [i.mapping for i in self._idle if i.since <= cutoff]
-            self._idle = [i for i in self._idle if i.since > cutoff]
-            self._arm_timer()
+            if older_than is not None:
+                cutoff = now - older_than
+                dropped += [i.mapping for i in self._idle if i.since <= cutoff]
+                self._idle = [i for i in self._idle if i.since > cutoff]
         freed = sum(len(m) for m in dropped)
         _close(dropped)
         return freed
 
-    def _arm_timer(self) -> None:
-        # Called with the lock held: one daemon timer while anything is cached.
-        if not self._idle or self._timer is not None:
-            return
-        self._timer = threading.Timer(self.idle_seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _expire(self) -> None:
-        with self._lock:
-            self._timer = None
-        self.release(self.idle_seconds)
+    def _reap(self) -> None:
+        # One daemon thread while the cache has lent or holds anything: it keeps what
+        # finalizers hand back and releases what has been idle for `idle_seconds`.
+        while True:
+            self._settle(self.idle_seconds)
+            with self._lock:
+                if not self._lent and not self._idle and not self._returned:
+                    self._reaper = None
+                    return
+                oldest = self._idle[0].since if self._idle else None
+            wait = None if oldest is None else oldest + self.idle_seconds - time.monotonic()
+            with contextlib.suppress(queue.Empty):
+                self._wake.get(timeout=None if wait is None else max(wait, 0.0))
 
     def _after_fork(self) -> None:
-        # The child has no timer thread and must not share a lock state with the parent.
+        # The child has no reaper thread and must not share a lock state with the parent;
+        # tensors it inherited still hand their mappings back to it.
         self._lock = threading.Lock()
-        self._timer = None
+        self._wake = queue.SimpleQueue()
+        self._reaper = None
+        self._lent -= len(self._returned)
+        self._returned.clear()
         self._idle = []
 
 
 def _close(mappings: list[mmap.mmap]) -> None:
     for m in mappings:
-        m.close()
+        # A mapping handed back has no buffer left on it; were one left, the mapping goes
+        # when it does (dropping ours is enough), and the reaper must not die of it.
+        with contextlib.suppress(BufferError):
+            m.close()
 
 
 _cache = HostBufferCache(Env.read().host_cache_mb << 20)
@@ -158,22 +212,45 @@ def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor; huge-page backed (and recycled) when large."""
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < _HUGE_MIN_BYTES or not _CAN_ADVISE:
+    if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
+    pages = _huge_pages(nbytes) if nbytes >= _HUGE_MIN_BYTES and _CAN_ADVISE else None
+    if pages is None:
+        # torch's allocator, wrapped like the mappings (below) so that share_memory_ cannot
+        # free it under an array either, as it does a plain tensor's.
+        pages = torch.empty(nbytes, dtype=torch.uint8).numpy()
+    t = torch.frombuffer(pages, dtype=dtype)
+    # NOTE: share_memory_ swaps the storage's memory for a shared copy and lets go of `pages`,
+    # while an array from `.numpy()` (holding only the tensor) still points into them. The
+    # storage's Python object lives exactly as long as the storage does, so holding `pages`
+    # there too keeps them (out of the cache) until no tensor or array is left.
+    t.untyped_storage()._mmferry_pages = pages
+    return t.view(shape)
+
+
+def _huge_pages(nbytes: int) -> memoryview | None:
+    """`nbytes` of a recycled or new huge-page mapping, from a 2 MiB boundary on; None when
+    no mapping can be made."""
     # Room to start on a 2 MiB boundary, rounded to whole huge pages.
     size = -(-(nbytes + _HUGE_PAGE) // _HUGE_PAGE) * _HUGE_PAGE
     mm = _cache.take(size) if _cache.limit_bytes else None
     if mm is None:
         mm = _new_mapping(size)
         if mm is None:
-            return torch.empty(shape, dtype=dtype)
-    view = memoryview(mm)
-    if _cache.limit_bytes:
-        # The tensor's storage holds `view`; when the last tensor on it is freed, so is
-        # `view`, and only then does the mapping go back to the cache.
-        # Not at exit: the process is going away with its mappings.
-        weakref.finalize(view, _cache.give, mm).atexit = False
-    raw = torch.frombuffer(view, dtype=torch.uint8)
+            return None
     # Start on a 2 MiB boundary so every full huge page of the tensor can be backed by one.
-    start = -raw.data_ptr() % _HUGE_PAGE
-    return raw[start : start + nbytes].view(dtype).view(shape)
+    start = -_address(mm) % _HUGE_PAGE
+    # NOTE: the storage gets exactly the tensor's bytes, not the whole mapping: torch.save,
+    # pickle and share_memory_ copy a whole storage, which would carry the alignment slack and
+    # whatever an earlier, larger item left in the rest of the mapping.
+    view = memoryview(mm)[start : start + nbytes]
+    if _cache.limit_bytes:
+        # The storage holds `view`; when the last tensor on it is freed, so is `view`, and
+        # only then does the mapping go back to the cache.
+        _cache.lend(mm, view)
+    return view
+
+
+def _address(mm: mmap.mmap) -> int:
+    # A mapping's address, read through a short-lived buffer export.
+    return torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr()

@@ -1,5 +1,6 @@
 """The compiled patch-row kernel gives the torch path's rows bit for bit, for every geometry,
-frame grouping, row stride and thread count, and declines frames it cannot read."""
+frame grouping, row stride and thread count (the bands really split over the threads), and
+declines frames it cannot read."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 
 from mmferry.preprocess import kernels
 from mmferry.preprocess import patchify as patchify_mod
+from mmferry.preprocess import threads as threads_mod
 from mmferry.preprocess.patchify import norm_affine, patchify
+from mmferry.preprocess.threads import run_split
 
 MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 
@@ -46,12 +49,25 @@ def _torch_path(monkeypatch, frames, **kw) -> torch.Tensor:
     ],
 )
 def test_kernel_equals_torch_path(monkeypatch, n, h, w, patch, pad, threads, pixel):
+    # Every geometry here writes less than an item needs to be split over threads: lower
+    # that size, so that threads=3 does split the bands (and the torch path's ranges).
+    monkeypatch.setattr(threads_mod, "PARALLEL_MIN_BYTES", 0)
+    parts: list[int] = []
+
+    def recorded(n_items: int, n_threads: int, work) -> None:
+        parts.append(max(1, min(n_threads, n_items)))
+        run_split(n_items, n_threads, work)
+
+    monkeypatch.setattr(kernels, "run_split", recorded)
     frames = _hwc_frames(n, h, w, seed=n * 100 + h + w, pad=pad, pixel=pixel)
     assert kernels._hwc_strides(frames) is not None  # the kernel path is the one taken
     image = n == 1
+    bands = (n if image else n // 2) * (h // (patch * 2))
     kw = dict(image=image, patch=patch, merge=2, temporal=2, mean=MEAN, std=STD, threads=threads)
     for layout in ("hf", "compact-u8"):
+        parts.clear()
         got = patchify(frames, layout=layout, **kw)
+        assert parts == [min(threads, bands)]  # the kernel ran, over this many ranges
         want = _torch_path(monkeypatch, frames, layout=layout, **kw)
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got, want), (layout, n, h, w, patch, pad, pixel)
