@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from mmferry.server.limits import RequestError, too_large
+from mmferry.server.limits import RequestError, shown, too_large
 from mmferry.server.service import EncoderService
 
 log = logging.getLogger("mmferry.server")
@@ -58,6 +58,35 @@ async def _read_body(request: Any, limit: int) -> bytes:
         if len(body) > limit:
             raise too_large("the request body", len(body), "max_request_bytes", limit)
     return bytes(body)
+
+
+def _check_json_type(content_type: str) -> None:
+    """415 unless the media type is JSON in UTF-8 (case-insensitive, as RFC 9110 has it)."""
+    media, *params = (p.strip() for p in content_type.split(";"))
+    charset = "utf-8"
+    for param in params:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            charset = value.strip().strip('"').lower()
+    if media.lower() != "application/json" or charset not in ("utf-8", "utf8"):
+        raise RequestError(
+            415,
+            "content_type",
+            f"send application/json in UTF-8, not {shown(content_type or '(none)')}",
+        )
+
+
+def _parse_json(raw: bytes) -> Any:
+    """The JSON body; 400 for anything json cannot turn into Python values."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise RequestError(400, "bad_json", "the JSON body is nested too deeply") from None
+    # ValueError covers bad syntax, bad UTF-8 and integers past Python's digit limit.
+    except ValueError as e:
+        raise RequestError(
+            400, "bad_json", f"the body is not valid JSON ({str(e)[:200]})"
+        ) from None
 
 
 def create_app(service: EncoderService, state: AppState | None = None) -> Any:
@@ -115,18 +144,9 @@ def create_app(service: EncoderService, state: AppState | None = None) -> Any:
         metrics.in_flight.set(state.in_flight)
         try:
             with metrics.stage("read"):
-                ctype = request.headers.get("content-type", "").split(";")[0].strip()
-                if ctype != "application/json":
-                    raise RequestError(
-                        415, "content_type", f"send application/json, not {ctype or '(none)'!r}"
-                    )
+                _check_json_type(request.headers.get("content-type", ""))
                 raw = await _read_body(request, cfg.limits.max_request_bytes)
-                try:
-                    body = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise RequestError(
-                        400, "bad_json", f"the body is not valid JSON ({e})"
-                    ) from None
+                body = _parse_json(raw)
             local = request.client is not None and request.client.host in LOCAL_HOSTS
             result = await service.handle(body, local=local)
         except RequestError as e:

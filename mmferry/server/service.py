@@ -25,7 +25,7 @@ from mmferry.items import LAYOUTS, MultimodalItem
 from mmferry.processor import Processor
 from mmferry.server.batching import Batcher
 from mmferry.server.encoded import EncodedItem, to_bytes
-from mmferry.server.limits import Limits, RequestError
+from mmferry.server.limits import Limits, RequestError, shown
 from mmferry.server.metrics import Metrics
 from mmferry.server.sources import check_media, fetch, parse_request
 
@@ -117,8 +117,10 @@ class EncoderService:
     def _options(self, options: dict[str, Any], local: bool) -> tuple[str, torch.dtype, str]:
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
+            named = ", ".join(shown(k, 40) for k in unknown[:5])
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise RequestError(
-                422, "bad_request", f"unknown field(s) {unknown}; accepted: content, {OPTIONS}"
+                422, "bad_request", f"unknown field(s) {named}{more}; accepted: content, {OPTIONS}"
             )
         layout = _choice(options, "layout", "compact-u8", LAYOUTS)
         dtype_name = _choice(
@@ -136,7 +138,7 @@ class EncoderService:
         limits = self.config.limits
         t0 = time.perf_counter()
         media = fetch(modality, url, index, limits)
-        check_media(media, limits)
+        check_media(media, limits, self.processor.config)
         t1 = time.perf_counter()
         self.metrics.stage_seconds.labels("fetch").observe(t1 - t0)
         try:
@@ -192,6 +194,6 @@ def _choice(options: dict[str, Any], name: str, default: str, allowed: Sequence[
     value = options.get(name, default)
     if value not in allowed:
         raise RequestError(
-            422, "bad_request", f"{name} must be one of {tuple(allowed)}, got {value!r}"
+            422, "bad_request", f"{name} must be one of {tuple(allowed)}, got {shown(value)}"
         )
     return value
