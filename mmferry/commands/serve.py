@@ -44,7 +44,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-host", action="append", default=[], metavar="HOST", help="host[:port] to fetch"
     )
-    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, metavar="S")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=d.drain_timeout_s,
+        metavar="S",
+        help="SIGTERM to exit, open requests included (default %(default)s)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d.body_timeout_s,
+        metavar="S",
+        help="a request body must arrive within this; 408 past it (default %(default)s)",
+    )
     p.add_argument("--log-level", default="warning")
 
 
@@ -75,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         shm_bytes=args.shm_mib << 20,
         api_key=env.api_key,
         drain_timeout_s=args.drain_timeout,
+        body_timeout_s=args.body_timeout,
     )
     leader = None
     if env.world_size > 1:

@@ -47,7 +47,16 @@ class ServiceConfig:
     shm_ttl_s: float = 60.0  # handles nobody opened within this are cancelled
     preprocess_threads: int = 2
     api_key: str | None = None
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = 30.0  # SIGTERM to exit, however many requests are still open
+    body_timeout_s: float = 30.0  # a request body must arrive in full within this (408)
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "preprocess_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        for name in ("drain_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
 
 
 @dataclass

@@ -7,6 +7,8 @@ import base64
 import io
 import json
 import struct
+import threading
+import time
 import zlib
 from collections.abc import Iterator
 
@@ -15,7 +17,8 @@ import numpy as np
 import pytest
 
 from .conftest import Server, png, start_server
-from .slow import SlowOrigin
+from .slow import RawUpload, SlowOrigin
+from .test_service import metric
 
 BODY_TIMEOUT_S = 2  # --body-timeout and --fetch-timeout here; stalls below last a minute
 FETCH_TIMEOUT_S = 2
@@ -38,6 +41,7 @@ def hostile(media_dir, origin) -> Iterator[Server]:
             *("--allow-path", str(media_dir), "--allow-host", origin.host),
             *("--allow-host", "h", "--max-pixels", str(1_000_000), "--shm-mib", "0"),
             *("--max-queue", str(MAX_QUEUE), "--max-frames", str(MAX_FRAMES)),
+            *("--body-timeout", str(BODY_TIMEOUT_S)),
         ]
     )
     yield s
@@ -178,3 +182,62 @@ def test_max_frames_bounds_the_sampled_frames_not_the_container(hostile):
     message = r.json()["error"]["message"]
     assert "sampled" in message and f"max_frames={MAX_FRAMES}" in message
     assert "--max-frames" in message
+
+
+def _health(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=30).json()
+
+
+def _wait_for(predicate, what: str, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_stalled_uploads_hold_no_queue_slot_and_get_408(hostile, media_dir):
+    stalled = [RawUpload(hostile.url) for _ in range(MAX_QUEUE + 1)]
+
+    def all_seen() -> bool:
+        h = _health(hostile.url)
+        return h.get("reading", 0) + h["in_flight"] >= MAX_QUEUE
+
+    _wait_for(all_seen, "the stalled uploads to reach the server")
+    good = _img((media_dir / "img1.png").as_posix())
+    r = _post(hostile.url, good)
+    assert r.status_code == 200, r.text[:300]  # not 503 queue_full
+    assert [u.status() for u in stalled] == [408] * len(stalled)
+
+    # A body that keeps dripping is cut at the same deadline: it is a total, not per read.
+    drip = RawUpload(hostile.url, declared=1000, first=b"[")
+    t0 = time.monotonic()
+
+    def trickle() -> None:
+        try:
+            for _ in range(200):
+                time.sleep(0.25)
+                drip.sock.sendall(b"0")
+        except OSError:
+            pass  # the server answered and closed
+
+    threading.Thread(target=trickle, daemon=True).start()
+    assert drip.status() == 408
+    assert time.monotonic() - t0 < SLOW_S
+
+
+def test_client_gone_mid_upload_is_a_499_without_a_traceback(hostile):
+    before = metric(hostile.url, 'mmferry_requests_total{status="499"}')
+    seen = len(hostile.lines)
+    gone = RawUpload(hostile.url)
+    _wait_for(lambda: _health(hostile.url).get("reading", 0) >= 1, "the upload to start")
+    gone.sock.close()
+    _wait_for(
+        lambda: metric(hostile.url, 'mmferry_requests_total{status="499"}') > before,
+        "the disconnect to be counted",
+    )
+    assert metric(hostile.url, 'mmferry_errors_total{kind="client_disconnect"}') >= 1
+    assert metric(hostile.url, 'mmferry_errors_total{kind="internal"}') == 0
+    time.sleep(0.5)  # anything logged with it has reached the pipe by now
+    assert "Traceback" not in "".join(hostile.lines[seen:])
