@@ -45,6 +45,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--allow-host", action="append", default=[], metavar="HOST", help="host[:port] to fetch"
     )
     p.add_argument(
+        "--fetch-timeout",
+        type=float,
+        default=lim.fetch_timeout_s,
+        metavar="S",
+        help="one remote fetch in all, waiting for a slot included; 504 past it "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--fetch-concurrency",
+        type=int,
+        default=d.fetch_concurrency,
+        metavar="N",
+        help="remote fetches at once, beside preprocessing (default %(default)s)",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=d.drain_timeout_s,
@@ -78,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         max_frames=args.max_frames,
         allow_paths=tuple(args.allow_path),
         allow_hosts=tuple(args.allow_host),
+        fetch_timeout_s=args.fetch_timeout,
     )
     config = ServiceConfig(
         limits=limits,
@@ -89,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=env.api_key,
         drain_timeout_s=args.drain_timeout,
         body_timeout_s=args.body_timeout,
+        fetch_concurrency=args.fetch_concurrency,
     )
     leader = None
     if env.world_size > 1:

@@ -1,8 +1,8 @@
 """OpenAI-style content parts -> checked media bytes (data: URLs, allowed paths, allowed hosts).
 
 Everything a client sends is checked here before any pixel is decoded: the part's shape, its
-content type, the base64, where a path or URL points, and the size, pixel and frame limits
-read from the file's header.
+content type, the base64, where a path or URL points (remote.py fetches the allowed URLs), and
+the size, pixel and frame limits read from the file's header.
 """
 
 from __future__ import annotations
@@ -192,49 +192,18 @@ def remote_url(url: str, index: int, limits: Limits) -> str:
     return url
 
 
-def _remote(url: str, index: int, limits: Limits) -> bytes:
-    import httpx
-
-    data = bytearray()
-    try:
-        with httpx.stream("GET", url, timeout=limits.fetch_timeout_s, follow_redirects=False) as r:
-            if r.status_code != 200:
-                raise RequestError(
-                    502, "fetch_failed", f"part {index}: {shown(url)} answered {r.status_code}"
-                )
-            for chunk in r.iter_bytes():
-                data += chunk
-                if len(data) > limits.max_request_bytes:
-                    raise too_large(
-                        f"part {index} ({shown(url)})",
-                        len(data),
-                        "max_request_bytes",
-                        limits.max_request_bytes,
-                    )
-    except httpx.InvalidURL as e:
-        raise _bad_url(index, f"malformed URL {shown(url)} ({e})") from None
-    except httpx.HTTPError as e:
-        raise RequestError(
-            502, "fetch_failed", f"part {index}: fetching {shown(url)} failed ({e})"
-        ) from None
-    return bytes(data)
-
-
 def url_scheme(url: str) -> str:
     """The URL's scheme in lower case (schemes are case-insensitive); '' for a plain path."""
     found = _SCHEME.match(url)
     return found.group(1).lower() if found else ""
 
 
-def fetch(modality: str, url: str, index: int, limits: Limits) -> Media:
-    """The bytes a part names, checked against the allowed sources and the byte limit."""
+def local_media(modality: str, url: str, index: int, limits: Limits) -> Media:
+    """The bytes a data: URL or local path names, checked against the allowed folders and the
+    byte limit. http(s) URLs are fetched by remote.py (after `remote_url`)."""
     scheme = url_scheme(url)
     if scheme == "data":
         return Media(modality, _data_url(url, modality, index, limits), f"part {index}")
-    if scheme in ("http", "https"):
-        return Media(
-            modality, _remote(remote_url(url, index, limits), index, limits), f"part {index}"
-        )
     if scheme == "file" or (not scheme and url.startswith("/")):
         data, name = _local(url, scheme, index, limits)
         return Media(modality, data, f"part {index} ({shown(name, 40)})")

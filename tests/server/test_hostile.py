@@ -41,7 +41,8 @@ def hostile(media_dir, origin) -> Iterator[Server]:
             *("--allow-path", str(media_dir), "--allow-host", origin.host),
             *("--allow-host", "h", "--max-pixels", str(1_000_000), "--shm-mib", "0"),
             *("--max-queue", str(MAX_QUEUE), "--max-frames", str(MAX_FRAMES)),
-            *("--body-timeout", str(BODY_TIMEOUT_S)),
+            *("--body-timeout", str(BODY_TIMEOUT_S), "--fetch-timeout", str(FETCH_TIMEOUT_S)),
+            *("--fetch-concurrency", str(FETCH_CONCURRENCY)),
         ]
     )
     yield s
@@ -241,3 +242,33 @@ def test_client_gone_mid_upload_is_a_499_without_a_traceback(hostile):
     assert metric(hostile.url, 'mmferry_errors_total{kind="internal"}') == 0
     time.sleep(0.5)  # anything logged with it has reached the pipe by now
     assert "Traceback" not in "".join(hostile.lines[seen:])
+
+
+def test_a_slow_origin_stalls_no_unrelated_request(hostile, media_dir, origin):
+    answers: list[tuple[httpx.Response, float]] = []
+
+    def slow_fetch() -> None:
+        t0 = time.monotonic()
+        r = _post(hostile.url, _img(f"http://{origin.host}/stall"))
+        answers.append((r, time.monotonic() - t0))
+
+    threads = [threading.Thread(target=slow_fetch) for _ in range(FETCH_CONCURRENCY + 1)]
+    for t in threads:
+        t.start()
+    _wait_for(lambda: origin.held >= FETCH_CONCURRENCY, "the origin to hold the fetches")
+    t0 = time.monotonic()
+    r = _post(hostile.url, _img(_data((media_dir / "img2.png").read_bytes())))
+    assert r.status_code == 200 and time.monotonic() - t0 < SLOW_S / 2
+    for t in threads:
+        t.join(120)
+    assert len(answers) == len(threads)
+    for r, took in answers:  # the one that waited for a slot too: the deadline covers both
+        assert r.status_code == 504, r.text[:300]
+        assert "--fetch-timeout" in r.json()["error"]["message"]
+        assert took < SLOW_S
+    assert origin.peak <= FETCH_CONCURRENCY
+
+    # One byte every 0.25 s never trips a per-read timeout; the total deadline cuts it.
+    t0 = time.monotonic()
+    r = _post(hostile.url, _img(f"http://{origin.host}/drip"))
+    assert r.status_code == 504 and time.monotonic() - t0 < SLOW_S, r.text[:300]

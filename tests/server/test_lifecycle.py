@@ -31,7 +31,10 @@ def _wait_in_flight(url: str, n: int) -> None:
 def test_full_queue_503_then_sigterm_drains_and_exits_0():
     # An admitted request held in flight by an origin that answers only when the gate opens.
     with SlowOrigin(png(64, 64, seed=42)) as origin:
-        server = start_server(["--max-queue", "1", "--shm-mib", "4", "--allow-host", origin.host])
+        server = start_server(
+            ["--max-queue", "1", "--shm-mib", "4", "--allow-host", origin.host]
+            + ["--fetch-timeout", "120"]
+        )
         try:
             _full_queue_then_drain(server, origin)
         finally:
