@@ -76,6 +76,7 @@ def _full_queue_then_drain(server, origin: SlowOrigin) -> None:
             threading.Event().wait(0.02)
         # A load balancer must stop sending here: the health check fails while draining.
         assert health.status_code == 503
+        assert c.health()["status"] == "draining"  # the client still reads the document
         with pytest.raises(EncodeError) as draining:
             c.encode([image_part(data, "image/png")])
         assert draining.value.status == 503 and "shutting down" in draining.value.message
