@@ -45,6 +45,7 @@ def serve(service: EncoderService, host: str, port: int, *, log_level: str = "wa
 
     class DrainingServer(uvicorn.Server):
         loop: asyncio.AbstractEventLoop | None = None
+        drain: asyncio.Task | None = None  # held: the loop keeps only a weak reference
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             self.loop = asyncio.get_running_loop()
@@ -63,7 +64,10 @@ def serve(service: EncoderService, host: str, port: int, *, log_level: str = "wa
                 return
             state.draining = True
             # A signal handler may interrupt the loop anywhere: hand the drain to the loop.
-            self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+            self.loop.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self) -> None:
+            self.drain = asyncio.ensure_future(self._drain())
 
         async def _drain(self) -> None:
             loop = asyncio.get_running_loop()

@@ -20,8 +20,8 @@ from .conftest import Server, png, start_server
 from .slow import RawUpload, SlowOrigin
 from .test_service import metric
 
-BODY_TIMEOUT_S = 2  # --body-timeout and --fetch-timeout here; stalls below last a minute
-FETCH_TIMEOUT_S = 2
+BODY_TIMEOUT_S = 3  # --body-timeout and --fetch-timeout here; stalls below last a minute
+FETCH_TIMEOUT_S = 3
 MAX_QUEUE = 4
 MAX_FRAMES = 24
 FETCH_CONCURRENCY = 2
