@@ -1,11 +1,15 @@
 """The HTTP surface: `POST /v1/encode`, `GET /health`, `GET /metrics` (FastAPI).
 
-Admission comes before the body is read: a wrong API key is 401, a draining server or a full
-queue is 503 with Retry-After, a body over the byte limit is 413 as soon as it passes it.
+Before the body is read: a wrong API key is 401, a draining server 503 with Retry-After, a
+content type other than JSON 415. The body then has `--body-timeout` to arrive in full (408)
+and is 413 as soon as it passes the byte limit. Only then is the request admitted (a full queue
+is 503): a client that uploads slowly holds no queue slot. A client gone mid-upload is counted
+as status 499, kind client_disconnect.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -13,7 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from mmferry.server.limits import RequestError, too_large
+from mmferry.server.limits import RequestError, shown, too_large
 from mmferry.server.service import EncoderService
 
 log = logging.getLogger("mmferry.server")
@@ -33,12 +37,15 @@ def import_fastapi() -> Any:
 
 
 class AppState:
-    """What the routes share beyond the service: admission count and the draining flag."""
+    """What the routes share beyond the service: admission and read counts, the drain state."""
 
     def __init__(self, service: EncoderService) -> None:
         self.service = service
-        self.in_flight = 0
+        self.in_flight = 0  # admitted requests
+        self.reading = 0  # requests whose body is still arriving (not admitted yet)
         self.draining = False
+        # Set at the drain deadline (run.py): bodies still arriving are cut with a 503.
+        self.cut_reads = asyncio.Event()
 
 
 def _api_key(headers: Any) -> str:
@@ -48,10 +55,7 @@ def _api_key(headers: Any) -> str:
     return headers.get("x-api-key", "")
 
 
-async def _read_body(request: Any, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large("the request body", int(declared), "max_request_bytes", limit)
+async def _collect(request: Any, limit: int) -> bytes:
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
@@ -60,10 +64,69 @@ async def _read_body(request: Any, limit: int) -> bytes:
     return bytes(body)
 
 
+async def _read_body(request: Any, limit: int, timeout_s: float, cut: asyncio.Event) -> bytes:
+    """The whole body within `timeout_s` (408), under `limit` bytes (413), unless `cut` (503)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large("the request body", int(declared), "max_request_bytes", limit)
+    # NOTE: one deadline for the whole body, not per read: a body that drips a byte at a time
+    # would pass any per-read timeout.
+    reading = asyncio.ensure_future(_collect(request, limit))
+    cutting = asyncio.ensure_future(cut.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {reading, cutting}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        cutting.cancel()
+        reading.cancel()
+    if reading in done:
+        return reading.result()
+    if cutting in done:
+        raise RequestError(
+            503, "draining", "the server is shutting down; the request body had not arrived"
+        )
+    raise RequestError(
+        408,
+        "body_timeout",
+        f"the request body did not arrive within body_timeout_s={timeout_s:g} (--body-timeout)",
+    )
+
+
+def _check_json_type(content_type: str) -> None:
+    """415 unless the media type is JSON in UTF-8 (case-insensitive, as RFC 9110 has it)."""
+    media, *params = (p.strip() for p in content_type.split(";"))
+    charset = "utf-8"
+    for param in params:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            charset = value.strip().strip('"').lower()
+    if media.lower() != "application/json" or charset not in ("utf-8", "utf8"):
+        raise RequestError(
+            415,
+            "content_type",
+            f"send application/json in UTF-8, not {shown(content_type or '(none)')}",
+        )
+
+
+def _parse_json(raw: bytes) -> Any:
+    """The JSON body; 400 for anything json cannot turn into Python values."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise RequestError(400, "bad_json", "the JSON body is nested too deeply") from None
+    # ValueError covers bad syntax, bad UTF-8 and integers past Python's digit limit.
+    except ValueError as e:
+        raise RequestError(
+            400, "bad_json", f"the body is not valid JSON ({str(e)[:200]})"
+        ) from None
+
+
 def create_app(service: EncoderService, state: AppState | None = None) -> Any:
     """The FastAPI app serving `service`; `state` lets the runner drain it."""
     fastapi = import_fastapi()
     from fastapi.responses import JSONResponse, Response
+    from starlette.requests import ClientDisconnect
 
     state = state or AppState(service)
     metrics = service.metrics
@@ -78,55 +141,75 @@ def create_app(service: EncoderService, state: AppState | None = None) -> Any:
     app = fastapi.FastAPI(title="mmferry encoder", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.mmferry = state
 
-    def refuse(err: RequestError) -> Any:
+    def refuse(err: RequestError, *, close: bool = False) -> Any:
         metrics.errors.labels(err.kind).inc()
         metrics.requests.labels(str(err.status)).inc()
-        headers = {"Retry-After": RETRY_AFTER_S} if err.status == 503 else None
+        headers = {"Retry-After": RETRY_AFTER_S} if err.status == 503 else {}
+        if close:  # the body was not read: the connection cannot carry another request
+            headers["Connection"] = "close"
         body = {"error": {"kind": err.kind, "message": err.message}}
         return JSONResponse(body, status_code=err.status, headers=headers)
 
     @app.get("/health")
     async def health() -> Any:
-        return {
+        body = {
             "status": "draining" if state.draining else "ok",
             "encoder": repr(service.encoder),
             "in_flight": state.in_flight,
+            "reading": state.reading,
             "queue_depth": service.batcher.depth,
             "cache_items": len(service.cache),
             "shm_segment": service.shm_segment,
         }
+        # NOTE: 503 while draining, so a load balancer's health check stops sending traffic.
+        return JSONResponse(body, status_code=503 if state.draining else 200)
 
     @app.get("/metrics")
     async def prometheus() -> Any:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    async def encode(request: Any) -> Any:
+    async def admit(request: Any) -> Any:
+        """The parsed JSON body of a request that may run now; RequestError otherwise."""
         if cfg.api_key is not None and not hmac.compare_digest(
             _api_key(request.headers).encode(), cfg.api_key.encode()
         ):
-            return refuse(RequestError(401, "unauthorized", "missing or wrong API key"))
+            raise RequestError(401, "unauthorized", "missing or wrong API key")
         if state.draining:
-            return refuse(RequestError(503, "draining", "the server is shutting down"))
+            raise RequestError(503, "draining", "the server is shutting down")
+        with metrics.stage("read"):
+            _check_json_type(request.headers.get("content-type", ""))
+            state.reading += 1
+            try:
+                raw = await _read_body(
+                    request, cfg.limits.max_request_bytes, cfg.body_timeout_s, state.cut_reads
+                )
+            finally:
+                state.reading -= 1
+        # NOTE: no await from here to the in_flight increment, so the drain never sees a
+        # request that is neither reading nor in flight. A body that began arriving before
+        # the drain is admitted, as the drain lets admitted requests finish.
+        body = _parse_json(raw)
         if state.in_flight >= cfg.max_queue:
             msg = f"the queue is full ({cfg.max_queue} requests, --max-queue); retry later"
-            return refuse(RequestError(503, "queue_full", msg))
+            raise RequestError(503, "queue_full", msg)
+        return body
+
+    async def encode(request: Any) -> Any:
+        try:
+            body = await admit(request)
+        except RequestError as e:
+            # A refusal before the whole body is in leaves bytes on the connection: close it.
+            return refuse(e, close=e.kind not in ("bad_json", "queue_full"))
+        except ClientDisconnect:
+            # The client hung up mid-upload: its own doing, not a server fault (nginx's 499).
+            metrics.errors.labels("client_disconnect").inc()
+            metrics.requests.labels("499").inc()
+            log.info("client disconnected before its request body arrived")
+            return Response(status_code=499)
         state.in_flight += 1
         metrics.in_flight.set(state.in_flight)
         try:
-            with metrics.stage("read"):
-                ctype = request.headers.get("content-type", "").split(";")[0].strip()
-                if ctype != "application/json":
-                    raise RequestError(
-                        415, "content_type", f"send application/json, not {ctype or '(none)'!r}"
-                    )
-                raw = await _read_body(request, cfg.limits.max_request_bytes)
-                try:
-                    body = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise RequestError(
-                        400, "bad_json", f"the body is not valid JSON ({e})"
-                    ) from None
             local = request.client is not None and request.client.host in LOCAL_HOSTS
             result = await service.handle(body, local=local)
         except RequestError as e:

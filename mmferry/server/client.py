@@ -134,8 +134,8 @@ class EncoderClient:
         return _parse(self._http.post("/v1/encode", json=_body(parts, layout, dtype, shm)))
 
     def health(self) -> dict[str, Any]:
-        """The server's /health document."""
-        return self._http.get("/health").raise_for_status().json()
+        """The server's /health document (`status` "draining" comes with a 503)."""
+        return _health(self._http.get("/health"))
 
     def close(self) -> None:
         self._http.close()
@@ -145,6 +145,13 @@ class EncoderClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _health(r: Any) -> dict[str, Any]:
+    # NOTE: a draining server answers 503 (so load balancers stop sending) with the document.
+    if r.status_code != 503:
+        r.raise_for_status()
+    return r.json()
 
 
 class AsyncEncoderClient:
@@ -169,8 +176,8 @@ class AsyncEncoderClient:
         return _parse(await self._http.post("/v1/encode", json=body))
 
     async def health(self) -> dict[str, Any]:
-        """The server's /health document."""
-        return (await self._http.get("/health")).raise_for_status().json()
+        """The server's /health document (`status` "draining" comes with a 503)."""
+        return _health(await self._http.get("/health"))
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -22,22 +22,51 @@ class Limits:
     max_request_bytes: int = 32 << 20  # body, and each file or URL read (413)
     max_items: int = 16  # image and video parts per request (422)
     max_pixels: int = 40_000_000  # width*height of an image or a video frame, from headers (422)
-    max_frames: int = 3_600  # frames in a video container (422)
+    # Frames a video is sampled to (and decoded and held), as the processor samples it (422).
+    max_frames: int = 3_600
     allow_paths: tuple[str, ...] = ()  # folders local paths must resolve into
     allow_hosts: tuple[str, ...] = ()  # "host" or "host:port" that http(s) URLs may name
-    fetch_timeout_s: float = 10.0
+    fetch_timeout_s: float = 15.0  # one remote fetch, waiting for a fetch slot included (504)
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_items", "max_pixels", "max_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if not self.fetch_timeout_s > 0:
+            raise ValueError("fetch_timeout_s must be positive")
+        # NOTE: host names are case-insensitive; URLs are matched in lower case (sources.py).
+        object.__setattr__(self, "allow_hosts", tuple(h.lower() for h in self.allow_hosts))
+
+
+def option(limit_name: str) -> str:
+    """The `mmferry serve` option that sets a limit: max_pixels -> --max-pixels."""
+    return "--" + limit_name.replace("_", "-")
 
 
 def too_large(what: str, size: int, limit_name: str, limit: int) -> RequestError:
-    """413 naming the byte limit that `what` passed."""
-    return RequestError(413, "too_large", f"{what} is {size} bytes, more than {limit_name}={limit}")
+    """413 naming the byte limit that `what` passed, and its option."""
+    return RequestError(
+        413,
+        "too_large",
+        f"{what} is {size} bytes, more than {limit_name}={limit} ({option(limit_name)})",
+    )
 
 
 def over_limit(what: str, value: int, limit_name: str, limit: int) -> RequestError:
-    """422 naming the limit (items, pixels, frames) that `what` passed."""
-    return RequestError(422, "over_limit", f"{what} is {value}, more than {limit_name}={limit}")
+    """422 naming the limit (items, pixels, frames) that `what` passed, and its option."""
+    return RequestError(
+        422,
+        "over_limit",
+        f"{what} is {value}, more than {limit_name}={limit} ({option(limit_name)})",
+    )
+
+
+def shown(value: object, width: int = 60) -> str:
+    """A client's value for an error message: short, and never a deep structure's repr."""
+    # NOTE: a message must not echo a 30 MB string back, nor recurse into nested lists.
+    if isinstance(value, (str, bytes)):
+        text = repr(value[:width])
+        return text + f"... ({len(value)} characters)" if len(value) > width else text
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)[:width]
+    return f"a JSON {'array' if isinstance(value, list) else 'object'}"

@@ -1,19 +1,22 @@
 """Run the service under uvicorn; SIGTERM or SIGINT drains it before exiting with status 0.
 
-Draining: new requests get 503 with Retry-After while the listening socket stays open, the
-admitted ones finish, then uvicorn stops and the lifespan releases the shared-memory arena.
-A second signal exits at once.
+Draining: new requests get 503 with Retry-After (and /health 503) while the listening socket
+stays open; admitted requests, and bodies already arriving, may finish until the drain timeout.
+Bodies still arriving then get 503, anything still open is cancelled, uvicorn stops and the
+lifespan releases the shared-memory arena. A second signal exits at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
-import threading
-import time
 from typing import Any
 
 from mmferry.server.app import AppState, create_app
 from mmferry.server.service import EncoderService
+
+# Time left after the drain deadline for the answers already written (the 503s of cut uploads).
+FLUSH_S = 1.0
 
 
 def import_uvicorn() -> Any:
@@ -38,30 +41,49 @@ def serve(service: EncoderService, host: str, port: int, *, log_level: str = "wa
     sock.bind((host, port))
     bound = sock.getsockname()[1]
     timeout = service.config.drain_timeout_s
+    url_host = f"[{host}]" if ":" in host else host
 
     class DrainingServer(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+        drain: asyncio.Task | None = None  # held: the loop keeps only a weak reference
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+            # NOTE: printed only now that the socket listens: clients (and tests) connect
+            # as soon as they read it.
+            if self.started:
+                print(f"mmferry serve: listening on http://{url_host}:{bound}", flush=True)
+
         def handle_exit(self, sig: int, frame: Any) -> None:
             # NOTE: uvicorn's own handler re-raises the signal after shutdown, which would end
             # the process with a signal status; a drained service exits 0 instead.
-            if state.draining:
-                self.force_exit = True
+            if state.draining or self.loop is None:
+                self.force_exit = state.draining
                 self.should_exit = True
                 return
             state.draining = True
-            threading.Thread(target=self._drain, daemon=True).start()
+            # A signal handler may interrupt the loop anywhere: hand the drain to the loop.
+            self.loop.call_soon_threadsafe(self._start_drain)
 
-        def _drain(self) -> None:
-            deadline = time.monotonic() + timeout
-            while state.in_flight and time.monotonic() < deadline:
-                time.sleep(0.02)
+        def _start_drain(self) -> None:
+            self.drain = asyncio.ensure_future(self._drain())
+
+        async def _drain(self) -> None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while (state.in_flight or state.reading) and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            state.cut_reads.set()
+            # NOTE: uvicorn then waits for open connections up to its own graceful timeout
+            # before cancelling them: only what is left of the drain timeout, so requests
+            # still open (a stalled upload, a long encode) never stretch SIGTERM past it.
+            self.config.timeout_graceful_shutdown = max(deadline - loop.time(), FLUSH_S)
             self.should_exit = True
 
     config = uvicorn.Config(
         app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=timeout
     )
-    server = DrainingServer(config)
-    url_host = f"[{host}]" if ":" in host else host
-    print(f"mmferry serve: listening on http://{url_host}:{bound}", flush=True)
-    server.run(sockets=[sock])
+    DrainingServer(config).run(sockets=[sock])
     print("mmferry serve: drained, exiting", flush=True)
     return 0

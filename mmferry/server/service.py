@@ -1,8 +1,9 @@
 """`EncoderService`: one request from checked bytes to its response, free of HTTP details.
 
 The app (app.py) calls `handle` with the parsed JSON body; the service fetches and checks each
-part, preprocesses on a small thread pool, encodes through the batcher and builds the response
-(safetensors bytes, or shared-memory handles for a client on the same host).
+part (remote URLs in their own slots, remote.py), preprocesses on a small thread pool, encodes
+through the batcher and builds the response (safetensors bytes, or shared-memory handles for a
+client on the same host).
 """
 
 from __future__ import annotations
@@ -25,9 +26,17 @@ from mmferry.items import LAYOUTS, MultimodalItem
 from mmferry.processor import Processor
 from mmferry.server.batching import Batcher
 from mmferry.server.encoded import EncodedItem, to_bytes
-from mmferry.server.limits import Limits, RequestError
+from mmferry.server.limits import Limits, RequestError, shown
 from mmferry.server.metrics import Metrics
-from mmferry.server.sources import check_media, fetch, parse_request
+from mmferry.server.remote import RemoteFetcher
+from mmferry.server.sources import (
+    Media,
+    check_media,
+    local_media,
+    parse_request,
+    remote_url,
+    url_scheme,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RESPONSES = ("safetensors", "shm")
@@ -46,8 +55,18 @@ class ServiceConfig:
     shm_bytes: int = 256 << 20  # 0: no shared-memory responses
     shm_ttl_s: float = 60.0  # handles nobody opened within this are cancelled
     preprocess_threads: int = 2
+    fetch_concurrency: int = 8  # remote fetches at once, beside the preprocessing threads
     api_key: str | None = None
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = 30.0  # SIGTERM to exit, however many requests are still open
+    body_timeout_s: float = 30.0  # a request body must arrive in full within this (408)
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "preprocess_threads", "fetch_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        for name in ("drain_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
 
 
 @dataclass
@@ -91,6 +110,10 @@ class EncoderService:
             batch_wait_s=config.batch_wait_s,
         )
         self._pool = ThreadPoolExecutor(config.preprocess_threads, "mmferry-preprocess")
+        limits = config.limits
+        self._remote = RemoteFetcher(
+            config.fetch_concurrency, limits.fetch_timeout_s, limits.max_request_bytes
+        )
         self._arena: Any = None
         self._handles: deque[tuple[float, Any]] = deque()
         if config.shm_bytes > 0:
@@ -108,6 +131,7 @@ class EncoderService:
     async def close(self) -> None:
         """Stop the encoder thread and release the shared-memory arena."""
         await self.batcher.stop()
+        await self._remote.close()
         self._pool.shutdown(wait=True)
         if self._arena is not None:
             self._arena.close()
@@ -117,8 +141,10 @@ class EncoderService:
     def _options(self, options: dict[str, Any], local: bool) -> tuple[str, torch.dtype, str]:
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
+            named = ", ".join(shown(k, 40) for k in unknown[:5])
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise RequestError(
-                422, "bad_request", f"unknown field(s) {unknown}; accepted: content, {OPTIONS}"
+                422, "bad_request", f"unknown field(s) {named}{more}; accepted: content, {OPTIONS}"
             )
         layout = _choice(options, "layout", "compact-u8", LAYOUTS)
         dtype_name = _choice(
@@ -132,13 +158,35 @@ class EncoderService:
             )
         return layout, DTYPES[dtype_name], response
 
-    def _prepare(self, modality: str, url: str, index: int, layout: str) -> MultimodalItem:
+    async def _prepare(self, modality: str, url: str, index: int, layout: str) -> MultimodalItem:
+        limits = self.config.limits
+        media, fetched_s = None, 0.0
+        if url_scheme(url) in ("http", "https"):
+            # NOTE: on the event loop, in its own slots: never on the preprocessing threads.
+            t0 = time.perf_counter()
+            data = await self._remote.fetch(remote_url(url, index, limits), index)
+            media, fetched_s = Media(modality, data, f"part {index}"), time.perf_counter() - t0
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._pool, self._preprocess, modality, url, index, layout, media, fetched_s
+        )
+
+    def _preprocess(
+        self,
+        modality: str,
+        url: str,
+        index: int,
+        layout: str,
+        media: Media | None,
+        fetched_s: float,
+    ) -> MultimodalItem:
+        """On the pool: read a local part, check its header, preprocess it."""
         limits = self.config.limits
         t0 = time.perf_counter()
-        media = fetch(modality, url, index, limits)
-        check_media(media, limits)
+        media = media or local_media(modality, url, index, limits)
+        check_media(media, limits, self.processor.config)
         t1 = time.perf_counter()
-        self.metrics.stage_seconds.labels("fetch").observe(t1 - t0)
+        self.metrics.stage_seconds.labels("fetch").observe(fetched_s + t1 - t0)
         try:
             if modality == "image":
                 item = self.processor.image(media.data, layout=layout)
@@ -153,13 +201,17 @@ class EncoderService:
         """Encode every part of one request; RequestError for anything refused."""
         parts, options = parse_request(body, self.config.limits)
         layout, dtype, response = self._options(options, local)
-        loop = asyncio.get_running_loop()
-        items = await asyncio.gather(
-            *(
-                loop.run_in_executor(self._pool, self._prepare, modality, url, i, layout)
-                for i, (modality, url) in enumerate(parts)
-            )
-        )
+        tasks = [
+            asyncio.ensure_future(self._prepare(modality, url, i, layout))
+            for i, (modality, url) in enumerate(parts)
+        ]
+        try:
+            items = await asyncio.gather(*tasks)
+        except BaseException:
+            # One refused part refuses the request: the others' fetches and queued work stop.
+            for t in tasks:
+                t.cancel()
+            raise
         outs = await self.batcher.encode(items)
         with self.metrics.stage("respond"):
             encoded = [EncodedItem.of(it, out, dtype=dtype) for it, out in zip(items, outs)]
@@ -192,6 +244,6 @@ def _choice(options: dict[str, Any], name: str, default: str, allowed: Sequence[
     value = options.get(name, default)
     if value not in allowed:
         raise RequestError(
-            422, "bad_request", f"{name} must be one of {tuple(allowed)}, got {value!r}"
+            422, "bad_request", f"{name} must be one of {tuple(allowed)}, got {shown(value)}"
         )
     return value

@@ -1,14 +1,15 @@
-"""Backpressure and shutdown: a full queue answers 503; SIGTERM drains and exits 0."""
+"""Backpressure and shutdown: a full queue answers 503; SIGTERM drains in time and exits 0."""
 
 from __future__ import annotations
 
-import base64
 import http.server
-import json
 import os
 import signal
+import socket
 import threading
+import time
 from functools import partial
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -16,43 +17,7 @@ import pytest
 from mmferry.server.client import EncodeError, EncoderClient, image_part, path_part
 
 from .conftest import png, start_server
-
-
-class StalledUpload:
-    """A request whose body arrives in two halves, the second only when released.
-
-    While the first half is in, the request is admitted and in flight; nothing is mocked.
-    """
-
-    def __init__(self, url: str, body: bytes) -> None:
-        self.release = threading.Event()
-        self.sent_half = threading.Event()
-        self.response: httpx.Response | None = None
-        half = len(body) // 2
-
-        def chunks():
-            yield body[:half]
-            self.sent_half.set()
-            self.release.wait(60)
-            yield body[half:]
-
-        def post() -> None:
-            self.response = httpx.post(
-                f"{url}/v1/encode",
-                content=chunks(),
-                headers={"content-type": "application/json"},
-                timeout=120,
-            )
-
-        self.thread = threading.Thread(target=post, daemon=True)
-        self.thread.start()
-        assert self.sent_half.wait(30)
-
-    def finish(self) -> httpx.Response:
-        self.release.set()
-        self.thread.join(120)
-        assert self.response is not None
-        return self.response
+from .slow import RawUpload, SlowOrigin
 
 
 def _wait_in_flight(url: str, n: int) -> None:
@@ -63,40 +28,95 @@ def _wait_in_flight(url: str, n: int) -> None:
     raise AssertionError(f"in_flight never reached {n}")
 
 
-def test_full_queue_503_then_sigterm_drains_and_exits_0(tmp_path):
-    server = start_server(["--max-queue", "1", "--shm-mib", "4"])
+def test_full_queue_503_then_sigterm_drains_and_exits_0():
+    # An admitted request held in flight by an origin that answers only when the gate opens.
+    with SlowOrigin(png(64, 64, seed=42)) as origin:
+        server = start_server(
+            ["--max-queue", "1", "--shm-mib", "4", "--allow-host", origin.host]
+            + ["--fetch-timeout", "120"]
+        )
+        try:
+            _full_queue_then_drain(server, origin)
+        finally:
+            server.stop()
+
+
+def _full_queue_then_drain(server, origin: SlowOrigin) -> None:
+    data = png(64, 64, seed=42)
+    with EncoderClient(server.url) as c:
+        # An shm response, so the server's own segment exists and can be checked after.
+        c.encode([image_part(data, "image/png")], shm=True)
+        segment = httpx.get(f"{server.url}/health").json()["shm_segment"]
+        assert segment and os.path.exists(f"/dev/shm{segment}")
+        held: list[httpx.Response] = []
+        body = {
+            "content": [
+                {"type": "image_url", "image_url": {"url": f"http://{origin.host}/gate.png"}}
+            ]
+        }
+        admitted = threading.Thread(
+            target=lambda: held.append(
+                httpx.post(f"{server.url}/v1/encode", json=body, timeout=120)
+            )
+        )
+        admitted.start()
+        _wait_in_flight(server.url, 1)
+
+        with pytest.raises(EncodeError) as full:
+            c.encode([image_part(data, "image/png")])
+        assert full.value.status == 503 and "--max-queue" in full.value.message
+        r = httpx.post(f"{server.url}/v1/encode", json={"content": []})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+
+        server.proc.send_signal(signal.SIGTERM)
+        for _ in range(500):  # the flag is set by the signal handler, shortly
+            health = httpx.get(f"{server.url}/health")
+            if health.json()["status"] == "draining":
+                break
+            threading.Event().wait(0.02)
+        # A load balancer must stop sending here: the health check fails while draining.
+        assert health.status_code == 503
+        assert c.health()["status"] == "draining"  # the client still reads the document
+        with pytest.raises(EncodeError) as draining:
+            c.encode([image_part(data, "image/png")])
+        assert draining.value.status == 503 and "shutting down" in draining.value.message
+
+        origin.gate.set()  # the admitted request still completes
+        admitted.join(120)
+        (done,) = held
+        assert done.status_code == 200, done.text
+        assert done.headers["content-type"] == "application/vnd.mmferry.safetensors"
+    assert server.proc.wait(timeout=60) == 0
+    assert not os.path.exists(f"/dev/shm{segment}")
+
+
+def test_sigterm_drains_within_its_timeout_despite_stalled_uploads():
+    drain_s = 12  # long enough that exiting after it has seconds to spare on a busy machine
+    server = start_server(["--drain-timeout", str(drain_s), "--body-timeout", "120"])
     try:
-        data = png(64, 64, seed=42)
-        with EncoderClient(server.url) as c:
-            # An shm response, so the server's own segment exists and can be checked after.
-            c.encode([image_part(data, "image/png")], shm=True)
-            segment = httpx.get(f"{server.url}/health").json()["shm_segment"]
-            assert segment and os.path.exists(f"/dev/shm{segment}")
-            url = f"data:image/png;base64,{base64.b64encode(data).decode()}"
-            body = json.dumps({"content": [{"type": "image_url", "image_url": {"url": url}}]})
-            slow = StalledUpload(server.url, body.encode())
-            _wait_in_flight(server.url, 1)
-
-            with pytest.raises(EncodeError) as full:
-                c.encode([image_part(data, "image/png")])
-            assert full.value.status == 503 and "--max-queue" in full.value.message
-            r = httpx.post(f"{server.url}/v1/encode", json={"content": []})
-            assert r.status_code == 503 and r.headers["retry-after"] == "1"
-
-            server.proc.send_signal(signal.SIGTERM)
-            for _ in range(500):  # the flag is set by the signal handler, shortly
-                if httpx.get(f"{server.url}/health").json()["status"] == "draining":
-                    break
-                threading.Event().wait(0.02)
-            with pytest.raises(EncodeError) as draining:
-                c.encode([image_part(data, "image/png")])
-            assert draining.value.status == 503 and "shutting down" in draining.value.message
-
-            done = slow.finish()  # the admitted request still completes
-            assert done.status_code == 200, done.text
-            assert done.headers["content-type"] == "application/vnd.mmferry.safetensors"
+        stalled = [RawUpload(server.url) for _ in range(3)]
+        for _ in range(500):
+            if httpx.get(f"{server.url}/health").json().get("reading") == len(stalled):
+                break
+            threading.Event().wait(0.02)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        # Uploads still coming in at the drain deadline are cut: 503, and the process exits.
+        assert [u.status() for u in stalled] == [503] * len(stalled)
         assert server.proc.wait(timeout=60) == 0
-        assert not os.path.exists(f"/dev/shm{segment}")
+        # Not twice the drain timeout (the drain, then uvicorn's own graceful wait).
+        assert time.monotonic() - t0 < 2 * drain_s - 1
+    finally:
+        server.stop()
+
+
+def test_listening_is_printed_once_the_socket_accepts():
+    server = start_server(["--shm-mib", "0"])
+    try:
+        # At once, no retry: the line is the signal that clients may connect.
+        split = urlsplit(server.url)
+        socket.create_connection((split.hostname, split.port), timeout=10).close()
+        assert httpx.get(f"{server.url}/health").status_code == 200
     finally:
         server.stop()
 
