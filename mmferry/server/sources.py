@@ -243,7 +243,7 @@ def check_media(media: Media, limits: Limits, cfg: ProcessorConfig) -> None:
                 f"{media.name}: {w}x{h} pixels", w * h, "max_pixels", limits.max_pixels
             )
         return
-    from mmferry.preprocess.sampling import sample_indices
+    from mmferry.preprocess.video import sample_indices
     from mmferry.preprocess.video_decode import probe_video
 
     try:
