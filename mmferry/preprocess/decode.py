@@ -307,7 +307,7 @@ def _check_array(arr: np.ndarray | torch.Tensor, name: str, layout: str) -> None
         raise ValueError(f"image {name} is empty: shape {tuple(arr.shape)}")
 
 
-def _without_negative_strides(arr: np.ndarray) -> np.ndarray:
+def without_negative_strides(arr: np.ndarray) -> np.ndarray:
     """`arr` with no negative stride: a view when only axes of length 1 are flipped."""
     # NOTE: the stride of an axis of length 1 never addresses memory, so numpy counts a1[::-1]
     # as contiguous and np.ascontiguousarray returns it unchanged, negative stride and all.
@@ -342,7 +342,7 @@ def decode_image(source: Any, max_pixels: int) -> DecodedImage:
         # it channels-last with torch's copy, faster than numpy's. torch takes no negative
         # strides (flipped views), so only those are undone here.
         if min(source.strides) < 0:
-            source = _without_negative_strides(source)
+            source = without_negative_strides(source)
         with warnings.catch_warnings():
             # Read-only arrays (np.asarray of a PIL image) are common; mmferry only reads them.
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")

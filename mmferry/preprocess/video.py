@@ -21,7 +21,13 @@ import torch
 from mmferry.config import ProcessorConfig
 from mmferry.items import Layout, MultimodalItem
 from mmferry.models import spec_for
-from mmferry.preprocess.decode import decode_image, describe, pixels_identity, read_source_bytes
+from mmferry.preprocess.decode import (
+    decode_image,
+    describe,
+    pixels_identity,
+    read_source_bytes,
+    without_negative_strides,
+)
 from mmferry.preprocess.hashing import identity_nbytes, item_hash
 from mmferry.preprocess.image import check_layout
 from mmferry.preprocess.patchify import patchify, resize_u8
@@ -78,7 +84,9 @@ def _frames(
                 f"video {name} must be a THWC uint8 numpy array or a TCHW uint8 tensor"
             )
         if isinstance(source, np.ndarray):
-            thwc = torch.from_numpy(np.ascontiguousarray(source))
+            # NOTE: a flipped axis of length 1 keeps its negative stride through
+            # np.ascontiguousarray (numpy calls it contiguous); torch refuses it.
+            thwc = torch.from_numpy(np.ascontiguousarray(without_negative_strides(source)))
             t, kind = thwc.permute(0, 3, 1, 2), b"frames-thwc-u8"
         else:
             t = thwc = source.detach().cpu()

@@ -18,6 +18,7 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.video_utils import VideoMetadata, read_video_pyav
 
+import mmferry as mf
 from mmferry.models import preset
 from mmferry.preprocess.samples import sample_video
 from mmferry.preprocess.sampling import frame_timestamps
@@ -223,3 +224,15 @@ def test_numpy_scalar_rates_and_counts(videos):
     ]:
         with pytest.raises(ValueError, match=match):
             process_video(frames, cfg, **{"source_fps": 4, **kw})
+
+
+def test_flipped_frame_array_with_a_length_one_axis():
+    """`a[::-1]` of a one-frame clip keeps a negative stride that numpy calls contiguous;
+    it is an accepted input and equals the same frames laid out plainly."""
+    proc = mf.Processor.for_model("qwen3-vl")
+    rng = np.random.default_rng(3)
+    clip = rng.integers(0, 256, (1, 64, 96, 3), dtype=np.uint8)
+    for flipped in (clip[::-1], clip[:, :, :, ::-1][:, :, :, ::-1][::-1]):
+        got = proc.video(flipped, layout="compact-u8", source_fps=2.0)
+        want = proc.video(np.ascontiguousarray(flipped), layout="compact-u8", source_fps=2.0)
+        assert torch.equal(got.feature, want.feature) and got.hash == want.hash

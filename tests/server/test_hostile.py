@@ -272,3 +272,23 @@ def test_a_slow_origin_stalls_no_unrelated_request(hostile, media_dir, origin):
     t0 = time.monotonic()
     r = _post(hostile.url, _img(f"http://{origin.host}/drip"))
     assert r.status_code == 504 and time.monotonic() - t0 < SLOW_S, r.text[:300]
+
+
+def test_a_valid_jpeg_with_a_broken_exif_tag_is_encoded_upright(hostile):
+    """Orientation 6 beside a numeric tag stored as text: a valid image, so 200, turned."""
+    from PIL import Image
+
+    from tests.preprocess import exif
+
+    pixels = np.zeros((48, 80, 3), np.uint8)
+    pixels[:, :40] = 255  # left half white: the turn is visible in the grid's shape
+    buf = io.BytesIO()
+    block = exif.exif_block(exif.orientation(6), exif.as_text(exif.X_RESOLUTION))
+    Image.fromarray(pixels).save(buf, "JPEG", quality=95, exif=block)
+    r = _post(hostile.url, _img(_data(buf.getvalue(), "image/jpeg")))
+    assert r.status_code == 200, r.text[:300]
+    from mmferry.server.encoded import from_bytes
+
+    (item,) = from_bytes(r.content)
+    _, h, w = item.grid_thw
+    assert h > w, item.grid_thw  # 80 wide, 48 high stored; orientation 6 turns it upright
