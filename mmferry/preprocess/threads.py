@@ -17,7 +17,7 @@ dedicated host, set the count to its free cores.
 One exception, whatever the count: a large item's hash (`alongside`) runs on one extra thread
 beside its resize (when the key does not need the resize) and its patchify gather, then is
 joined before the item is returned. It is one coarse
-task with no barrier to spin at (hashlib releases the GIL for the whole buffer), so a
+task with no barrier to spin at (blake3 releases the GIL for the whole buffer), so a
 descheduled hash thread delays only the join, never the gather; items under
 `PARALLEL_MIN_BYTES` are hashed inline, and no thread outlives the call.
 """
