@@ -136,6 +136,36 @@ class Processor:
             threads=threads,
         )
 
+    def images(
+        self,
+        sources: Sequence[Any],
+        *,
+        layout: Layout = "hf",
+        threads: int | None = None,
+        partial: bool = False,
+    ) -> list[Any]:
+        """Many images in parallel on up to `threads` threads (default: the cores), in input
+        order; errors name the item's index. With `partial=True`, a failed item's place holds
+        its `ItemError` and the others are still returned (see preprocess/batch.py)."""
+        from mmferry.preprocess.batch import ImagePart, process_batch
+
+        parts = [ImagePart(s) for s in sources]
+        return process_batch(parts, self.config, layout=layout, threads=threads, partial=partial)
+
+    def items(
+        self,
+        parts: Sequence[Any],
+        *,
+        layout: Layout = "hf",
+        threads: int | None = None,
+        partial: bool = False,
+    ) -> list[Any]:
+        """`images` for a mix of `ImagePart`s and `VideoPart`s (a bare source is an image)."""
+        from mmferry.preprocess.batch import ImagePart, VideoPart, process_batch
+
+        wrapped = [p if isinstance(p, (ImagePart, VideoPart)) else ImagePart(p) for p in parts]
+        return process_batch(wrapped, self.config, layout=layout, threads=threads, partial=partial)
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
