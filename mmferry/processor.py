@@ -181,12 +181,14 @@ class Processor:
         layout: Layout = "hf",
         sources: SourcePolicy | None = None,
         mrope_advance: Advance = "extent",
+        threads: int | None = None,
         **template_kwargs: Any,
     ) -> str | list[int] | ChatPrompt:
         """transformers' `apply_chat_template`, same parameters and defaults: the rendered text;
         with `tokenize=True` the expanded ids; with `return_dict=True` too, a `ChatPrompt`
         (text, expanded prompt, items). `sources` says what parts may read (default: the
-        paths named, no network); bad messages raise one ValueError naming message and part."""
+        paths named, no network); bad messages raise one ValueError naming message and part.
+        The media are preprocessed in parallel on up to `threads` threads (as `images`)."""
         from mmferry.chat.apply import apply_chat_template
         from mmferry.chat.parts import LIBRARY_POLICY
 
@@ -204,6 +206,7 @@ class Processor:
             layout=layout,
             sources=sources or LIBRARY_POLICY,
             mrope_advance=mrope_advance,
+            threads=threads,
             **template_kwargs,
         )
 

@@ -39,7 +39,7 @@ from mmferry.bench.harness import timed as timed_fn
 from mmferry.bench.preprocess import _smooth_field
 from mmferry.config import ProcessorConfig
 from mmferry.models import preset
-from mmferry.preprocess.batch import ImagePart, process_batch
+from mmferry.preprocess.batch import ImagePart, item_bytes, process_batch
 from mmferry.preprocess.buffers import empty_host
 from mmferry.preprocess.decode import as_batch, decode_image
 from mmferry.preprocess.hashing import item_hash
@@ -207,11 +207,9 @@ def stage_figures(report: Report, datas: Sequence[bytes], cfg: ProcessorConfig, 
     del decoded, resized
     # What the batch adds around the stages: one Image.open of each header (sizes), workers.
     parts = [ImagePart(d) for d in datas]
-    from mmferry.preprocess.batch import _item_bytes
-
     t0 = time.perf_counter()
     for p in parts:
-        _item_bytes(p, cfg, "compact-u8")
+        item_bytes(p, cfg, "compact-u8")
     headers = time.perf_counter() - t0
     print(f"(serial before the workers start: {len(parts)} headers read in {headers * 1e3:.1f} ms)")
 

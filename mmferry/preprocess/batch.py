@@ -19,8 +19,8 @@ parallel items reuse recycled pages instead of faulting fresh ones.
 
 Errors name the item's index (`ItemError`). By default the first failure stops the batch:
 items not yet started are skipped, running ones finish, and the error of the lowest failed
-index is raised. With `partial=True` every item runs and a failed one's place holds its
-`ItemError`, so one bad item does not lose the others.
+index among the items that ran is raised. With `partial=True` every item runs and a failed
+one's place holds its `ItemError`, so one bad item does not lose the others.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from functools import partial as partial_fn
+from typing import Any, Literal, TypeVar, overload
 
 from PIL import Image
 
@@ -62,6 +63,7 @@ class VideoPart:
 
 
 Part = ImagePart | VideoPart
+T = TypeVar("T")
 
 
 class ItemError(ValueError):
@@ -109,7 +111,7 @@ def _header_size(source: Any) -> tuple[int, int] | None:
     return None
 
 
-def _item_bytes(part: Part, cfg: ProcessorConfig, layout: Layout) -> int | None:
+def item_bytes(part: Part, cfg: ProcessorConfig, layout: Layout) -> int | None:
     """Host buffer bytes an image item holds while it runs (decode, resize, rows); None for
     videos and unknown sizes."""
     if not isinstance(part, ImagePart):
@@ -179,6 +181,50 @@ class _Schedule:
                 self.stopped = True
 
 
+def run_jobs(
+    jobs: Sequence[Callable[[int], T]],
+    sizes: Sequence[int | None],
+    threads: int,
+    *,
+    stop_on_error: bool,
+) -> list[T | BaseException | None]:
+    """`jobs[i](its threads)` for every i, whole jobs on up to `threads` threads, largest
+    `sizes` first (None: before all); each place holds the job's result or the exception it
+    raised (None: not started, after an error with `stop_on_error`)."""
+    results: list[T | BaseException | None] = [None] * len(jobs)
+    if not jobs:
+        return results
+    # Largest first; videos and unknown sizes before all: they are usually the longest.
+    order = sorted(range(len(jobs)), key=lambda i: -(1 << 62 if sizes[i] is None else sizes[i]))
+    schedule = _Schedule(order, threads, stop_on_error)
+    fatal: list[BaseException] = []
+
+    def worker() -> None:
+        while (job := schedule.take()) is not None:
+            index, share = job
+            failed = True
+            try:
+                with intra_op_threads(share), no_extra_thread():
+                    results[index] = jobs[index](share)
+                failed = False
+            except Exception as e:  # noqa: BLE001 - the job's own failure, kept at its index
+                results[index] = e
+            except BaseException as e:  # KeyboardInterrupt, SystemExit: the whole batch stops
+                fatal.append(e)
+                schedule.stopped = True
+            finally:
+                schedule.done(failed)
+
+    workers = min(threads, len(jobs))
+    # The items in flight at once hold their buffers together: the cache keeps that many.
+    known = sorted((s for s in sizes if s is not None), reverse=True)
+    with ensure_host_cache(sum(known[:workers])):
+        _run_workers(worker, workers)
+    if fatal:
+        raise fatal[0]
+    return results
+
+
 @overload
 def process_batch(
     parts: Sequence[Part],
@@ -215,38 +261,10 @@ def process_batch(
         if not isinstance(part, (ImagePart, VideoPart)):
             raise TypeError(f"item {i}: expected ImagePart or VideoPart, got {type(part).__name__}")
     total = batch_threads(threads)
-    results: list[MultimodalItem | ItemError | None] = [None] * len(parts)
-    if not parts:
-        return []
-    sizes = [_item_bytes(p, cfg, layout) for p in parts]
-    # Largest first; videos and unknown sizes before all: they are usually the longest.
-    order = sorted(range(len(parts)), key=lambda i: -(1 << 62 if sizes[i] is None else sizes[i]))
-    schedule = _Schedule(order, total, stop_on_error=not partial)
-    fatal: list[BaseException] = []
-
-    def worker() -> None:
-        while (job := schedule.take()) is not None:
-            index, share = job
-            failed = True
-            try:
-                with intra_op_threads(share), no_extra_thread():
-                    results[index] = _run_part(parts[index], cfg, layout, share)
-                failed = False
-            except Exception as e:  # noqa: BLE001 - the item's own failure, named by its index
-                results[index] = ItemError(index, e)
-            except BaseException as e:  # KeyboardInterrupt, SystemExit: the whole batch stops
-                fatal.append(e)
-                schedule.stopped = True
-            finally:
-                schedule.done(failed)
-
-    workers = min(total, len(parts))
-    # The items in flight at once hold their buffers together: the cache keeps that many.
-    known = sorted((s for s in sizes if s is not None), reverse=True)
-    with ensure_host_cache(sum(known[:workers])):
-        _run_workers(worker, workers)
-    if fatal:
-        raise fatal[0]
+    jobs = [partial_fn(_run_part, part, cfg, layout) for part in parts]
+    sizes = [item_bytes(p, cfg, layout) for p in parts]
+    raw = run_jobs(jobs, sizes, total, stop_on_error=not partial)
+    results = [ItemError(i, r) if isinstance(r, BaseException) else r for i, r in enumerate(raw)]
     errors = [r for r in results if isinstance(r, ItemError)]
     if errors and not partial:
         first = min(errors, key=lambda e: e.index)
