@@ -23,6 +23,9 @@ _EXPORTS: dict[str, str] = {
     # preprocessing and prompt
     "Processor": "mmferry.processor",
     "MultimodalItem": "mmferry.items",
+    "ImagePart": "mmferry.preprocess.batch",
+    "VideoPart": "mmferry.preprocess.batch",
+    "ItemError": "mmferry.preprocess.batch",
     "smart_resize": "mmferry.preprocess.resize",
     "sample_images": "mmferry.preprocess.samples",
     "sample_video": "mmferry.preprocess.samples",

@@ -136,6 +136,36 @@ class Processor:
             threads=threads,
         )
 
+    def images(
+        self,
+        sources: Sequence[Any],
+        *,
+        layout: Layout = "hf",
+        threads: int | None = None,
+        partial: bool = False,
+    ) -> list[Any]:
+        """Many images in parallel on up to `threads` threads (default: the cores), in input
+        order; errors name the item's index. With `partial=True`, a failed item's place holds
+        its `ItemError` and the others are still returned (see preprocess/batch.py)."""
+        from mmferry.preprocess.batch import ImagePart, process_batch
+
+        parts = [ImagePart(s) for s in sources]
+        return process_batch(parts, self.config, layout=layout, threads=threads, partial=partial)
+
+    def items(
+        self,
+        parts: Sequence[Any],
+        *,
+        layout: Layout = "hf",
+        threads: int | None = None,
+        partial: bool = False,
+    ) -> list[Any]:
+        """`images` for a mix of `ImagePart`s and `VideoPart`s (a bare source is an image)."""
+        from mmferry.preprocess.batch import ImagePart, VideoPart, process_batch
+
+        wrapped = [p if isinstance(p, (ImagePart, VideoPart)) else ImagePart(p) for p in parts]
+        return process_batch(wrapped, self.config, layout=layout, threads=threads, partial=partial)
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -151,12 +181,14 @@ class Processor:
         layout: Layout = "hf",
         sources: SourcePolicy | None = None,
         mrope_advance: Advance = "extent",
+        threads: int | None = None,
         **template_kwargs: Any,
     ) -> str | list[int] | ChatPrompt:
         """transformers' `apply_chat_template`, same parameters and defaults: the rendered text;
         with `tokenize=True` the expanded ids; with `return_dict=True` too, a `ChatPrompt`
         (text, expanded prompt, items). `sources` says what parts may read (default: the
-        paths named, no network); bad messages raise one ValueError naming message and part."""
+        paths named, no network); bad messages raise one ValueError naming message and part.
+        The media are preprocessed in parallel on up to `threads` threads (as `images`)."""
         from mmferry.chat.apply import apply_chat_template
         from mmferry.chat.parts import LIBRARY_POLICY
 
@@ -174,6 +206,7 @@ class Processor:
             layout=layout,
             sources=sources or LIBRARY_POLICY,
             mrope_advance=mrope_advance,
+            threads=threads,
             **template_kwargs,
         )
 

@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mmferry.chat.media import build_item
-from mmferry.chat.parts import LIBRARY_POLICY, PartError, SourcePolicy, parse_messages
+from mmferry.chat.parts import (
+    LIBRARY_POLICY,
+    MediaPart,
+    PartError,
+    SourcePolicy,
+    parse_messages,
+)
 from mmferry.chat.template import pick_template, render
 from mmferry.items import Layout, MultimodalItem
 
@@ -114,9 +120,11 @@ def apply_chat_template(
     layout: Layout = "hf",
     sources: SourcePolicy = LIBRARY_POLICY,
     mrope_advance: Advance = "extent",
+    threads: int | None = None,
     **template_kwargs: Any,
 ) -> str | list[int] | ChatPrompt:
-    """transformers' `apply_chat_template` for one conversation (see `Processor`)."""
+    """transformers' `apply_chat_template` for one conversation (see `Processor`); the media
+    are preprocessed as a batch on up to `threads` threads (see preprocess/batch.py)."""
     parsed = parse_messages(_conversation(messages), sources)
     template = pick_template(proc.chat_template, chat_template)
     variables = {**proc.special_tokens, **template_kwargs}
@@ -143,7 +151,7 @@ def apply_chat_template(
     options = dict(processor_kwargs or {})
     call = {k: options.pop(k) for k in _CALL_VIDEO if options.get(k) is not None}
     worker = proc.with_options(options) if options else proc
-    items = [build_item(worker, part, layout, call) for part in parsed.media]
+    items = _build_items(worker, parsed.media, layout, call, threads)
     ids = proc.tokenizer.encode_uncached(text)
     try:
         prompt = worker.expand_prompt(ids, items, mrope_advance=mrope_advance)
@@ -154,3 +162,29 @@ def apply_chat_template(
     if not return_dict:
         return prompt.input_ids
     return ChatPrompt(text, prompt, items)
+
+
+def _build_items(
+    proc: Processor,
+    media: list[MediaPart],
+    layout: Layout,
+    call: dict[str, Any],
+    threads: int | None,
+) -> list[MultimodalItem]:
+    """Every media part's item, as a batch; the first failed part's own error is raised (it
+    names the message and part). Every part runs, so with several bad parts the error is the
+    first one's, as when they ran one after another."""
+    from mmferry.preprocess.batch import ImagePart, batch_threads, item_bytes, run_jobs
+
+    jobs = [lambda _threads, part=part: build_item(proc, part, layout, call) for part in media]
+    sizes = [
+        item_bytes(ImagePart(part.source), proc.config, layout)
+        if part.modality == "image"
+        else None
+        for part in media
+    ]
+    results = run_jobs(jobs, sizes, batch_threads(threads), stop_on_error=False)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]

@@ -1,21 +1,28 @@
-"""128-bit item hashes: the source's identity bytes plus every processor setting.
+"""128-bit item keys: the source's identity bytes plus every processor setting.
 
 The layout is deliberately left out: both layouts encode to the same embeddings, so they share
 one cache key. Parts are buffers (memoryviews of arrays, encoded bytes), never copied.
 
-SHA-256 truncated to 128 bits: as collision-resistant as the key length allows (a cache key
-an attacker could collide would serve one user's image rows to another), and on CPUs with
-SHA extensions (x86 SHA-NI, ARMv8) about 3x faster than blake2b.
+BLAKE3 with a 128-bit output: as collision-resistant as the key length allows (a cache key an
+attacker could collide would serve one user's image rows to another), and 3-7x the speed of
+SHA-256 on one core, even against x86 SHA-NI (BENCHMARKS.md), so a 12 MP item's key costs
+well under its resize. vLLM keys multimodal items with BLAKE3 too.
+
+NOTE: one thread per key. The key runs beside its item's resize and gather (threads.py) or,
+in a batch, beside other items, so those threads are busy; blake3's own threads were slower
+than one on a shared 2-core host (BENCHMARKS.md) and would only help one huge item on an
+otherwise idle many-core host, where the key is already not the longest part.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
+
+from blake3 import blake3
 
 from mmferry.config import ProcessorConfig
 
-_DIGEST_BYTES = 16
+DIGEST_BYTES = 16
 
 
 def item_hash(
@@ -24,12 +31,17 @@ def item_hash(
     cfg: ProcessorConfig,
     extra: bytes = b"",
 ) -> str:
-    """128-bit hex digest over length-framed parts, so no two part lists collide."""
-    h = hashlib.sha256()
+    """128-bit hex digest over length-framed parts, so no two part lists collide.
+
+    The bytes hashed: for each part of (modality, settings fingerprint, extra, *identity), its
+    length as 8 little-endian bytes, then the part itself."""
+    # NOTE: blake3 releases the GIL while it hashes a large buffer, so keys of items on
+    # different threads run in parallel.
+    h = blake3()
     for part in (modality.encode(), cfg.fingerprint(), extra, *identity):
         h.update(memoryview(part).nbytes.to_bytes(8, "little"))
         h.update(part)
-    return h.digest()[:_DIGEST_BYTES].hex()
+    return h.digest(length=DIGEST_BYTES).hex()
 
 
 def identity_nbytes(identity: Iterable[bytes | memoryview]) -> int:

@@ -17,9 +17,14 @@ dedicated host, set the count to its free cores.
 One exception, whatever the count: a large item's hash (`alongside`) runs on one extra thread
 beside its resize (when the key does not need the resize) and its patchify gather, then is
 joined before the item is returned. It is one coarse
-task with no barrier to spin at (hashlib releases the GIL for the whole buffer), so a
+task with no barrier to spin at (blake3 releases the GIL for the whole buffer), so a
 descheduled hash thread delays only the join, never the gather; items under
 `PARALLEL_MIN_BYTES` are hashed inline, and no thread outlives the call.
+
+A batch (batch.py) runs whole items on its threads instead and turns the exception off on
+them (`no_extra_thread`): the other items keep the cores busy, and its thread count stays
+within its `threads`. torch's intra-op count is per thread under OpenMP (a worker starts at
+the default, not the caller's), so each worker sets its own.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TypeVar
 
 import torch
@@ -39,6 +45,9 @@ ENV_THREADS = "MMFERRY_PREPROCESS_THREADS"
 DEFAULT_THREADS = 1
 # Below this many output bytes an item runs on one thread: waking workers costs more.
 PARALLEL_MIN_BYTES = 4 << 20
+# False on a batch's worker threads (preprocess/batch.py): `alongside` runs its work inline.
+# A ContextVar, so the setting is the thread's own and other callers keep the extra thread.
+_EXTRA_THREAD: ContextVar[bool] = ContextVar("mmferry_extra_thread", default=True)
 
 
 def preprocess_threads(threads: int | None = None) -> int:
@@ -89,6 +98,17 @@ def run_split(n_items: int, threads: int, work: Callable[[int, int], None]) -> N
 
 
 @contextmanager
+def no_extra_thread() -> Iterator[None]:
+    """Within the block, on this thread, `alongside` runs its work inline: a batch's items
+    keep the cores busy, and its thread count stays within its `threads`."""
+    token = _EXTRA_THREAD.set(False)
+    try:
+        yield
+    finally:
+        _EXTRA_THREAD.reset(token)
+
+
+@contextmanager
 def alongside(fn: Callable[[], T], nbytes: int) -> Iterator[Callable[[], T]]:
     """`fn()` on one extra thread while the block runs; the yielded callable joins and returns
     its result (or raises its error).
@@ -97,7 +117,7 @@ def alongside(fn: Callable[[], T], nbytes: int) -> Iterator[Callable[[], T]]:
     cost more than it hides. Leaving the block, by an error too, waits for `fn` to finish, so
     no work outlives the call and the buffers it reads stay valid while it runs.
     """
-    if nbytes < PARALLEL_MIN_BYTES:
+    if nbytes < PARALLEL_MIN_BYTES or not _EXTRA_THREAD.get():
         value = fn()
         yield lambda: value
         return
