@@ -1,0 +1,58 @@
+"""Tiny checkpoints and one vLLM engine per family, shared by every vLLM test of a session.
+
+The vLLM tests need vLLM's own environment (`make vllm-venv`; `make test` creates it); without
+it they skip, saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import mmferry as mf  # noqa: E402
+from tests.engines.tiny_vlm import build_checkpoint  # noqa: E402
+from tests.engines.vllm_harness import VLLM_PYTHON, VllmEngine  # noqa: E402
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+
+
+@dataclass
+class Model:
+    family: str
+    path: Path
+    proc: mf.Processor
+    enc: mf.VisionEncoder
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Model]:
+    out = {}
+    for family in FAMILIES:
+        path = build_checkpoint(family, tmp_path_factory.mktemp(family))
+        proc = mf.Processor.from_pretrained(path)
+        out[family] = Model(family, path, proc, mf.VisionEncoder.from_pretrained(path))
+    return out
+
+
+def needs_vllm() -> None:
+    if not VLLM_PYTHON.is_file():
+        pytest.skip(f"vLLM's environment is missing ({VLLM_PYTHON}); run `make vllm-venv`")
+
+
+@pytest.fixture(scope="session")
+def engines(models, tmp_path_factory) -> Iterator[dict[str, VllmEngine]]:
+    """One plain engine per family (`enable_mm_embeds`: pixels and embeddings both accepted)."""
+    needs_vllm()
+    started: dict[str, VllmEngine] = {}
+    try:
+        for family, m in models.items():
+            started[family] = VllmEngine.start(m.path, tmp_path_factory.mktemp(f"vllm-{family}"))
+        yield started
+    finally:
+        for e in started.values():
+            e.stop()
