@@ -44,15 +44,26 @@ def needs_vllm() -> None:
         pytest.skip(f"vLLM's environment is missing ({VLLM_PYTHON}); run `make vllm-venv`")
 
 
-@pytest.fixture(scope="session")
-def engines(models, tmp_path_factory) -> Iterator[dict[str, VllmEngine]]:
-    """One plain engine per family (`enable_mm_embeds`: pixels and embeddings both accepted)."""
+def start_engines(models, tmp_path_factory, name: str, **options) -> dict[str, VllmEngine]:
+    """One engine per family (`options` on top of the harness's); stopped by the caller."""
     needs_vllm()
     started: dict[str, VllmEngine] = {}
     try:
         for family, m in models.items():
-            started[family] = VllmEngine.start(m.path, tmp_path_factory.mktemp(f"vllm-{family}"))
-        yield started
-    finally:
+            work = tmp_path_factory.mktemp(f"{name}-{family}")
+            opts = {k: v(work) if callable(v) else v for k, v in options.items()}
+            started[family] = VllmEngine.start(m.path, work, **opts)
+    except BaseException:
         for e in started.values():
             e.stop()
+        raise
+    return started
+
+
+@pytest.fixture(scope="session")
+def engines(models, tmp_path_factory) -> Iterator[dict[str, VllmEngine]]:
+    """One plain engine per family that takes pixels and embeddings (`enable_mm_embeds`)."""
+    started = start_engines(models, tmp_path_factory, "vllm")
+    yield started
+    for e in started.values():
+        e.stop()
