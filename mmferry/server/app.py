@@ -146,4 +146,8 @@ def create_app(service: EncoderService, state: AppState | None = None) -> Any:
     # hand the raw request over, so it is set before the route is registered.
     encode.__annotations__["request"] = fastapi.Request
     app.post("/v1/encode")(encode)
+    # Engines' encoder-cache connectors: lookup by hash, pinned until loaded (server/ec.py).
+    from mmferry.server.ec import add_cache_routes
+
+    add_cache_routes(app, service, state)
     return app

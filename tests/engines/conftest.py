@@ -44,7 +44,9 @@ def needs_vllm() -> None:
         pytest.skip(f"vLLM's environment is missing ({VLLM_PYTHON}); run `make vllm-venv`")
 
 
-def start_engines(models, tmp_path_factory, name: str, **options) -> dict[str, VllmEngine]:
+def start_engines(
+    models, tmp_path_factory, name: str, *, in_process: bool = True, **options
+) -> dict[str, VllmEngine]:
     """One engine per family (`options` on top of the harness's); stopped by the caller."""
     needs_vllm()
     started: dict[str, VllmEngine] = {}
@@ -52,7 +54,7 @@ def start_engines(models, tmp_path_factory, name: str, **options) -> dict[str, V
         for family, m in models.items():
             work = tmp_path_factory.mktemp(f"{name}-{family}")
             opts = {k: v(work) if callable(v) else v for k, v in options.items()}
-            started[family] = VllmEngine.start(m.path, work, **opts)
+            started[family] = VllmEngine.start(m.path, work, in_process=in_process, **opts)
     except BaseException:
         for e in started.values():
             e.stop()
