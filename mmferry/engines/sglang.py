@@ -4,11 +4,13 @@
     req = to_sglang(prompt, items, outputs)
     engine.generate(input_ids=req["input_ids"], image_data=req["image_data"], ...)
 
-SGLang takes an item's encoder output as `{"format": "precomputed_embedding", "feature": rows,
-"image_grid_thw": [[t, h, w]]}`, with `input_ids` already expanded. For Qwen3-VL its deepstack
-split expects `[main | ds0 | ds1 ...]` on the last dim, the layout `packed_rows` builds. SGLang
-refuses a request that mixes precomputed and raw items, and trims an embedding longer than its
-placeholders with only a warning, so the row count is checked here against the prompt.
+SGLang (0.5.23) takes precomputed rows as ONE dict per modality, `{"format":
+"precomputed_embedding", "feature": [N, D], "image_grid_thw": [n, 3]}` (videos:
+`video_data`, `video_grid_thw`), every item's rows in prompt order, with `input_ids` already
+expanded; it refuses a second dict for a modality, and a request mixing precomputed and raw
+items. For Qwen3-VL its `separate_deepstack_embeds` splits the last dim at the LM's hidden
+size, i.e. `[main | ds0 | ds1 ...]`, the layout `packed_rows` builds. Row counts are checked
+here against the prompt's placeholders before SGLang sees them.
 """
 
 from __future__ import annotations
@@ -23,17 +25,16 @@ from mmferry.engines.rows import EngineItem, engine_items
 FORMAT = "precomputed_embedding"
 
 
-def image_data_entry(item: EngineItem) -> dict[str, Any]:
-    """One `image_data` entry for SGLang's precomputed-embedding path."""
-    if item.modality != "image":
-        raise ValueError(
-            "SGLang's precomputed-embedding input is wired for images (image_data); "
-            f"got a {item.modality}"
-        )
+def precomputed_entry(group: Sequence[EngineItem]) -> dict[str, Any]:
+    """The one `image_data` (or `video_data`) dict for a modality's items, in prompt order."""
+    modality = group[0].modality
+    if any(e.modality != modality for e in group):
+        raise ValueError("one precomputed entry holds items of one modality")
+    rows = [e.rows for e in group]
     return {
         "format": FORMAT,
-        "feature": item.rows,
-        "image_grid_thw": torch.tensor([list(item.grid_thw)], dtype=torch.int64),
+        "feature": rows[0] if len(rows) == 1 else torch.cat(rows),
+        f"{modality}_grid_thw": torch.tensor([list(e.grid_thw) for e in group]),
     }
 
 
@@ -45,8 +46,8 @@ def to_sglang(
     dtype: torch.dtype | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
-    """`input_ids` (mmferry's expansion, `prompt` an `ExpandedPrompt`) and `image_data` for
-    `Engine.generate`; items as for `mmferry.engines.vllm.to_vllm`."""
+    """`input_ids` (mmferry's expansion: `prompt` is an `ExpandedPrompt`) and `image_data` /
+    `video_data` for `Engine.generate`; items as for `mmferry.engines.vllm.to_vllm`."""
     entries = engine_items(items, outputs, dtype=dtype, **kwargs)
     offsets = getattr(prompt, "offsets", None)
     if offsets is not None:
@@ -56,5 +57,9 @@ def to_sglang(
             n = sum(end - start for start, end in spans)
             if n != e.rows.shape[0]:
                 raise ValueError(f"item {k}: {e.rows.shape[0]} rows for {n} placeholder tokens")
-    ids = list(getattr(prompt, "input_ids", prompt))
-    return {"input_ids": ids, "image_data": [image_data_entry(e) for e in entries]}
+    out: dict[str, Any] = {"input_ids": list(getattr(prompt, "input_ids", prompt))}
+    for modality in ("image", "video"):
+        group = [e for e in entries if e.modality == modality]
+        if group:
+            out[f"{modality}_data"] = [precomputed_entry(group)]
+    return out
