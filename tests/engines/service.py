@@ -39,17 +39,18 @@ class Service:
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
-        ready = threading.Event()
+        ready, listening = threading.Event(), threading.Event()
 
         def read() -> None:
             for line in self.proc.stdout:
                 self.lines.append(line)
                 if "listening on " in line:
+                    listening.set()
                     ready.set()
-            ready.set()
+            ready.set()  # the output ended: the process is gone (a port taken, a bad model)
 
         threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(120) or self.proc.poll() is not None:
+        if not ready.wait(120) or not listening.is_set():
             self.stop()
             raise RuntimeError("mmferry serve did not start:\n" + "".join(self.lines))
         return self
