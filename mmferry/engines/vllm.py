@@ -132,3 +132,25 @@ def content_parts(
     """`content_part` for each item (arguments as for `to_vllm`), in prompt order."""
     entries = engine_items(items, outputs, dtype=dtype, **kwargs)
     return [content_part(e, with_rows=with_rows) for e in entries]
+
+
+def to_vllm_refs(facts: Sequence[dict[str, Any]]) -> VllmInputs:
+    """Inputs that name items instead of carrying rows, for an engine whose encoder-cache
+    connector loads them: grids, Qwen3-VL video timestamps and uuids from the facts
+    `POST /v1/cache/encode` answers (`modality`, `hash`, `grid_thw`, `timestamps`)."""
+    data: dict[str, dict[str, Any]] = {}
+    ids: dict[str, list[str | None]] = {}
+    for modality in MODALITIES:
+        group = [f for f in facts if f["modality"] == modality]
+        if not group:
+            continue
+        grids = torch.tensor([list(f["grid_thw"]) for f in group], dtype=torch.int64)
+        d: dict[str, Any] = {f"{modality}_grid_thw": grids}
+        stamps = [f.get("timestamps") for f in group]
+        if modality == "video" and any(s is not None for s in stamps):
+            if not all(s is not None for s in stamps):
+                raise ValueError("timestamps are given for some videos only")
+            d["timestamps"] = [list(s) for s in stamps]
+        data[modality] = d
+        ids[modality] = [f["hash"] for f in group]
+    return VllmInputs(data, ids)

@@ -7,7 +7,8 @@ entry and fail a request the engine already planned; so a lookup that answers "p
 the entry: the service keeps a reference to its rows until they are loaded or a TTL passes,
 whatever the LRU does meanwhile. An absent entry is simply reported absent, and the engine
 encodes that item itself. `POST /v1/cache/encode` encodes parts like `/v1/encode` but answers
-only each item's facts (hash, grid, tokens) and pins the items for the engine that will ask.
+only each item's facts (hash, grid, tokens, video timing) and pins the items for the engine
+that will ask.
 
 Bodies:
     lookup  {"hashes": [h, ...]}                        -> {"present": [bool, ...]}
@@ -15,10 +16,12 @@ Bodies:
             -> safetensors with one tensor per hash (`[tokens, out * (1 + levels)]`, i.e.
                `[main | ds0 | ds1 ...]`), or {"items": {h: shm handle}}; 404 naming what is gone
     encode  as /v1/encode                               -> {"items": [facts, ...]}
+            facts: modality, hash, grid_thw, num_tokens, timestamps, second_per_grid_t
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -115,6 +118,37 @@ def _hashes(body: Any) -> list[str]:
     return hashes
 
 
+def facts(item: Any) -> dict[str, Any]:
+    """What a router sends the engine instead of the rows: hash, grid, and video timing."""
+    return {
+        "modality": item.modality,
+        "hash": item.hash,
+        "grid_thw": list(item.grid_thw),
+        "num_tokens": item.num_tokens,
+        # Qwen3-VL writes these into the prompt (`<t seconds>`); vLLM needs them with the grid.
+        "timestamps": None if item.timestamps is None else list(item.timestamps),
+        "second_per_grid_t": item.second_per_grid_t,
+    }
+
+
+async def encode_items(service: Any, body: Any, local: bool) -> tuple[list[Any], list[Any]]:
+    """The parts of a /v1/encode body, preprocessed and encoded through the service's batcher
+    and cache: (items, outputs), with no response built (the rows stay in the service)."""
+    from mmferry.server.sources import parse_request
+
+    parts, options = parse_request(body, service.config.limits)
+    options.pop("response", None)
+    layout, _, _ = service._options(options, local)
+    loop = asyncio.get_running_loop()
+    items = await asyncio.gather(
+        *(
+            loop.run_in_executor(service._pool, service._prepare, modality, url, i, layout)
+            for i, (modality, url) in enumerate(parts)
+        )
+    )
+    return list(items), await service.batcher.encode(items)
+
+
 def add_cache_routes(app: Any, service: Any, state: Any) -> None:
     """Register /v1/cache/lookup, /v1/cache/load and /v1/cache/encode on the service's app."""
     import fastapi
@@ -189,12 +223,12 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
         try:
             body = await admitted(request)
             local = request.client is not None and request.client.host in LOCAL_HOSTS
-            result = await service.handle(body, local=local)
+            items, outs = await encode_items(service, body, local)
         except RequestError as e:
             return refused(e)
-        for it in result.items:
-            pins.pin(it.hash, it.vision_output())
-        return {"items": [it.facts() for it in result.items]}
+        for it, out in zip(items, outs):
+            pins.pin(it.hash, out)
+        return {"items": [facts(it) for it in items]}
 
     for route in (lookup, load, encode):
         # NOTE: as in app.py, FastAPI needs the real class to hand the raw request over.

@@ -1,7 +1,8 @@
 """A vLLM encoder-cache consumer with `MmferryECConnector`, fed by a real `mmferry serve`.
 
-Requests carry only each image's grid and its mmferry hash (the uuid); vLLM neither
-preprocesses nor encodes them, and still generates what it generates from the pixels. A hash
+Requests carry only each item's grid (and Qwen3-VL video timestamps) and its mmferry hash (the
+uuid); vLLM neither preprocesses nor encodes them, and still generates what it generates from
+the pixels (images) or from the same rows handed over inline (an image and a video). A hash
 the service lacks, or a service that is down, makes vLLM encode the item itself; nothing hangs.
 The consumer runs vLLM's engine core in its own process (vLLM's default), so the connector is
 imported there by module path, as in a deployment.
@@ -14,14 +15,14 @@ import json
 
 import httpx
 import pytest
-import torch
 from PIL import Image
 
-from mmferry.server.client import image_part
+from mmferry.engines.vllm import to_vllm, to_vllm_refs
+from mmferry.server.client import EncoderClient, image_part, video_part
 from tests.engines.cases import cases, pixel_request
 from tests.engines.conftest import start_engines
 from tests.engines.service import Service, free_port
-from tests.engines.tiny_vlm import image
+from tests.engines.tiny_vlm import VIDEO_FPS, image
 
 pytestmark = pytest.mark.slow
 LOGPROB_ATOL = 1e-4
@@ -34,9 +35,31 @@ def png(pixels) -> bytes:
     return buf.getvalue()
 
 
-def encode(service: Service, pixels: list) -> list[dict]:
+def mp4(frames, fps: float) -> bytes:
+    """The clip as a small MPEG-4 file (lossy: the comparison is of the service's own rows)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=int(fps))
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        for f in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        out.mux(stream.encode())
+    return buf.getvalue()
+
+
+def parts(media: list) -> list[dict]:
+    return [
+        image_part(png(p)) if kind == "image" else video_part(mp4(p, VIDEO_FPS), "video/mp4")
+        for kind, p in media
+    ]
+
+
+def encode(service: Service, media: list) -> list[dict]:
     """The router's step: the service encodes and pins; only the facts come back."""
-    body = {"content": [image_part(png(p)) for p in pixels]}
+    body = {"content": parts(media)}
     try:
         r = httpx.post(f"{service.url}/v1/cache/encode", json=body, timeout=120)
     except httpx.HTTPError as e:
@@ -44,17 +67,6 @@ def encode(service: Service, pixels: list) -> list[dict]:
         raise AssertionError(f"{e}; service alive: {alive}\n{''.join(service.lines)}") from e
     r.raise_for_status()
     return r.json()["items"]
-
-
-def grid_only(text: str, facts: list[dict]) -> dict:
-    """A request that names each image by hash and grid only: no pixels, no embeddings."""
-    return {
-        "prompt": text,
-        "multi_modal_data": {
-            "image": {"image_grid_thw": torch.tensor([f["grid_thw"] for f in facts])}
-        },
-        "multi_modal_uuids": {"image": [f["hash"] for f in facts]},
-    }
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +122,22 @@ def test_consumer_loads_from_mmferry_serve(family, models, engines, services, co
     # 1. Grid and hash only: the rows come from the service through the connector.
     reqs = []
     for c in CASES:
-        facts = encode(service, [p for _, p in all_cases[c].media])
-        reqs.append(grid_only(all_cases[c].text, facts))
+        facts = encode(service, all_cases[c].media)
+        reqs.append(to_vllm_refs(facts).prompt(all_cases[c].text))
+    # An image and a video (an MPEG-4 file the service decodes): the same rows handed over
+    # inline by to_vllm are the reference, since vLLM's pixel path is not fed the file.
+    mixed = all_cases["image_video"]
+    facts = encode(service, mixed.media)
+    reqs.append(to_vllm_refs(facts).prompt(mixed.text))
+    with EncoderClient(service.url) as client:
+        rows = client.encode(parts(mixed.media))
+    inline = to_vllm(rows, timestamps=[f["timestamps"] for f in facts], uuids=["x0", "x1"])
+    (ref,) = engines[family].generate([inline.prompt(mixed.text)])
+    want["image_video"] = ref
     got = consumers[family].generate(reqs)
     assert not isinstance(got, dict), got
-    for c, res in zip(CASES, got):
+    for c, res in zip([*CASES, "image_video"], got):
+        assert len(res.tokens) == 16, c
         assert res.tokens == want[c].tokens, c
         assert res.max_logprob_diff(want[c]) <= LOGPROB_ATOL, c
     health = httpx.get(f"{service.url}/health").json()
@@ -133,8 +156,8 @@ def test_consumer_loads_from_mmferry_serve(family, models, engines, services, co
     (res,) = consumers[family].generate([down])
     assert res.tokens == want["images"].tokens
     service.start()
-    facts = encode(service, [fresh])
-    (res,) = consumers[family].generate([grid_only(fresh_case.text, facts)])
+    facts = encode(service, fresh_case.media)
+    (res,) = consumers[family].generate([to_vllm_refs(facts).prompt(fresh_case.text)])
     assert res.tokens == want["fresh"].tokens
     assert res.max_logprob_diff(want["fresh"]) <= LOGPROB_ATOL
     print(json.dumps({"family": family, "fresh_hash": facts[0]["hash"]}))
