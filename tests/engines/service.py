@@ -26,6 +26,7 @@ class Service:
     port: int
     proc: subprocess.Popen | None = None
     lines: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -35,7 +36,7 @@ class Service:
         cmd = [sys.executable, "-m", "mmferry", "serve", "--model", str(self.model)]
         cmd += ["--port", str(self.port), "--shm-mib", "16", "--cache-mib", "64"]
         env = {k: v for k, v in os.environ.items() if k != "MMFERRY_API_KEY"}
-        env["PYTHONPATH"] = str(ROOT)
+        env.update(PYTHONPATH=str(ROOT), **self.env)
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )

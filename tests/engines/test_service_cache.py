@@ -77,3 +77,23 @@ def test_client_loads_packed_rows(service, models, shm):
             client.load(["never-seen"], torch.float32)
     finally:
         client.close()
+
+
+def test_cache_routes_ask_for_the_api_key(models):
+    key = "engine-test-key-0123"
+    s = Service(models["qwen2_5_vl"].path, free_port(), env={"MMFERRY_API_KEY": key}).start()
+    try:
+        r = httpx.post(f"{s.url}/v1/cache/lookup", json={"hashes": ["x"]}, timeout=30)
+        assert r.status_code == 401
+        bad = httpx.post(
+            f"{s.url}/v1/cache/lookup",
+            json={"hashes": "x"},
+            timeout=30,
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert bad.status_code == 422
+        client = CacheClient(s.url, key, 30.0, shm=False)
+        assert client.lookup(["x"]) == [False]
+        client.close()
+    finally:
+        s.stop()
