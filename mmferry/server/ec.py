@@ -154,7 +154,7 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
     import fastapi
     from fastapi.responses import JSONResponse, Response
 
-    from mmferry.server.app import LOCAL_HOSTS, _api_key
+    from mmferry.server.app import LOCAL_HOSTS, _api_key, _read_body
     from mmferry.server.service import DTYPES, _handle_json
 
     cfg = service.config
@@ -174,9 +174,7 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
             raise RequestError(401, "unauthorized", "missing or wrong API key")
         if state.draining:
             raise RequestError(503, "draining", "the server is shutting down")
-        raw = await request.body()
-        if len(raw) > cfg.limits.max_request_bytes:
-            raise RequestError(413, "too_large", "the request body is over max_request_bytes")
+        raw = await _read_body(request, cfg.limits.max_request_bytes)
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
