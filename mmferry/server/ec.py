@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from collections import OrderedDict
 from typing import Any
@@ -34,6 +35,7 @@ from mmferry.embed.cache import EncoderCache
 from mmferry.encoder.model import VisionOutput
 from mmferry.server.limits import RequestError
 
+log = logging.getLogger("mmferry.server")
 PIN_TTL_S = 60.0
 MAX_HASHES = 256  # per lookup or load request
 HASH_CHARS = 128
@@ -87,6 +89,16 @@ class Pins:
             out = held[1] if held is not None else self.cache.peek(key)
             present.append(out is not None and self.pin(key, out, now))
         return present
+
+    def take_all(self, keys: list[str], now: float | None = None) -> dict[str, VisionOutput]:
+        """Every key's rows, releasing their pins; KeyError naming the missing ones, and then
+        nothing is released (the engine will encode those items, or retry)."""
+        now = time.monotonic() if now is None else now
+        self._expire(now)
+        gone = [k for k in keys if k not in self._pins and self.cache.peek(k) is None]
+        if gone:
+            raise KeyError(gone)
+        return {k: self.take(k, now) for k in dict.fromkeys(keys)}
 
     def take(self, key: str, now: float | None = None) -> VisionOutput | None:
         """The rows for `key` (pinned, else cached), releasing its pin."""
@@ -198,10 +210,11 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
             local = request.client is not None and request.client.host in LOCAL_HOSTS
             if shm and (service._arena is None or not local):
                 raise RequestError(422, "bad_request", "shm responses need a same-host client")
-            outs = {h: pins.take(h) for h in dict.fromkeys(hashes)}
-            gone = [h for h, out in outs.items() if out is None]
-            if gone:
-                raise RequestError(404, "not_found", f"not held (evicted or never seen): {gone}")
+            try:
+                outs = pins.take_all(hashes)
+            except KeyError as e:
+                msg = f"not held (evicted or never seen): {e.args[0]}"
+                raise RequestError(404, "not_found", msg) from None
         except RequestError as e:
             return refused(e)
         rows = {h: packed(out, DTYPES[dtype_name]) for h, out in outs.items()}
@@ -218,12 +231,22 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
         return Response(save(rows), media_type="application/vnd.mmferry.safetensors")
 
     async def encode(request: Any) -> Any:
+        # The same admission as /v1/encode: this route encodes too, so it shares the queue.
+        if state.in_flight >= cfg.max_queue:
+            msg = f"the queue is full ({cfg.max_queue} requests, --max-queue); retry later"
+            return refused(RequestError(503, "queue_full", msg))
+        state.in_flight += 1
         try:
             body = await admitted(request)
             local = request.client is not None and request.client.host in LOCAL_HOSTS
             items, outs = await encode_items(service, body, local)
         except RequestError as e:
             return refused(e)
+        except Exception as e:  # noqa: BLE001 - one failing request must not stop the server
+            log.exception("cache encode failed")
+            return refused(RequestError(500, "internal", f"{type(e).__name__}: {e}"))
+        finally:
+            state.in_flight -= 1
         for it, out in zip(items, outs):
             pins.pin(it.hash, out)
         return {"items": [facts(it) for it in items]}

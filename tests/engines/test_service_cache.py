@@ -33,6 +33,11 @@ def test_pin_outlives_eviction_until_taken():
     taken = pins.take("a", now=1.0)
     assert taken is not None and float(taken.embeds[0, 0]) == 1.0
     assert pins.take("a", now=1.0) is None and len(pins) == 0 and pins.used_bytes == 0
+    pins.lookup(["c"], now=2.0)
+    with pytest.raises(KeyError):
+        pins.take_all(["c", "gone"], now=2.0)
+    assert len(pins) == 1  # a failed load releases nothing
+    assert set(pins.take_all(["c", "c"], now=2.0)) == {"c"} and len(pins) == 0
 
 
 def test_pin_expires_and_is_bounded():
