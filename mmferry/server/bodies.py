@@ -1,0 +1,60 @@
+"""Reading a request before it is admitted: the client's API key and the body, with deadlines.
+
+Shared by the encode route (`app.py`) and the encoder-cache routes (`ec.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from mmferry.server.limits import RequestError, too_large
+
+# Clients on these hosts may ask for shared-memory answers.
+LOCAL_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+
+def api_key(headers: Any) -> str:
+    """The key a client sent: `Authorization: Bearer ...` or `X-API-Key`."""
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return headers.get("x-api-key", "")
+
+
+async def _collect(request: Any, limit: int) -> bytes:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large("the request body", len(body), "max_request_bytes", limit)
+    return bytes(body)
+
+
+async def read_body(request: Any, limit: int, timeout_s: float, cut: asyncio.Event) -> bytes:
+    """The whole body within `timeout_s` (408), under `limit` bytes (413), unless `cut` (503)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large("the request body", int(declared), "max_request_bytes", limit)
+    # NOTE: one deadline for the whole body, not per read: a body that drips a byte at a time
+    # would pass any per-read timeout.
+    reading = asyncio.ensure_future(_collect(request, limit))
+    cutting = asyncio.ensure_future(cut.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {reading, cutting}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        cutting.cancel()
+        reading.cancel()
+    if reading in done:
+        return reading.result()
+    if cutting in done:
+        raise RequestError(
+            503, "draining", "the server is shutting down; the request body had not arrived"
+        )
+    raise RequestError(
+        408,
+        "body_timeout",
+        f"the request body did not arrive within body_timeout_s={timeout_s:g} (--body-timeout)",
+    )
