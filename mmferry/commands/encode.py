@@ -32,9 +32,19 @@ VIDEO_SUFFIXES = frozenset([".mp4", ".mkv", ".webm", ".mov", ".avi", ".m4v"])
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", help="image and video files, folders or globs")
-    p.add_argument("--out", required=True, type=Path, help="the safetensors file to write")
+    p.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="the safetensors file to write (missing folders are created)",
+    )
     add_model_args(p)
-    p.add_argument("--layout", default="compact-u8", choices=["compact-u8", "hf"])
+    p.add_argument(
+        "--layout",
+        default="compact-u8",
+        choices=["compact-u8", "hf"],
+        help="the features the tower is fed (the embeddings are the same)",
+    )
     p.add_argument(
         "--batch-patches", type=int, default=16384, help="patch budget of one encoder call"
     )
