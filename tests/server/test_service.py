@@ -21,6 +21,7 @@ from mmferry.server.client import (
     EncodeError,
     EncoderClient,
     image_part,
+    open_handle,
     path_part,
     video_part,
 )
@@ -332,3 +333,36 @@ def test_bare_parts_take_qwen_forms_and_keys_too(client, reference, media_dir):
     plain, stretched = client.encode([part, keyed])
     assert plain.hash == proc.image(str(media_dir / "img2.png"), "compact-u8").hash
     assert stretched.grid_thw != plain.grid_thw
+
+
+def test_a_raw_http_client_opens_shm_answers_with_open_handle(server, media_dir):
+    body = {"content": [{"type": "image", "image": str(media_dir / "img0.png")}]}
+    r = _post(server.url, {**body, "response": "shm"})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
+    (doc,) = r.json()["items"]
+    embeds = open_handle(doc["embeds"])
+    deepstack = [open_handle(h) for h in doc["deepstack"]]
+    (want,) = from_bytes(_post(server.url, body).content)
+    assert (doc["modality"], tuple(doc["grid_thw"]), doc["hash"]) == (
+        want.modality,
+        want.grid_thw,
+        want.hash,
+    )
+    assert torch.equal(embeds, want.embeds)
+    assert all(torch.equal(a, b) for a, b in zip(deepstack, want.deepstack, strict=True))
+
+
+def test_the_readme_curl_body_is_accepted(server, media_dir):
+    """The README's curl example: its headers, and its body with the path made one of ours."""
+    import json
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    command = re.search(r"curl -s (.*?)'\n  ```", readme, re.S).group(1)
+    assert "-H 'Content-Type: application/json'" in command
+    body = json.loads(command.split(" -d '", 1)[1])
+    text = json.dumps(body).replace("/data/media/cat.jpg", str(media_dir / "img0.png"))
+    r = _post(server.url, content=text.encode())
+    assert r.status_code == 200, r.text
+    (item,) = from_bytes(r.content)
+    assert item.modality == "image" and item.num_tokens > 0
