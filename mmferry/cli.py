@@ -7,10 +7,18 @@ import sys
 import time
 from pathlib import Path
 
-from mmferry.commands import HelpFormatter, UsageError
-from mmferry.commands.model_args import DTYPES, check_device, load_error
+from mmferry.commands import CommandParser, HelpFormatter, UsageError
+from mmferry.commands.model_args import (
+    DTYPES,
+    add_resize_args,
+    check_device,
+    load_error,
+    resize_options,
+    with_options,
+)
 
-# The demo's default image budget: the 24-layer default tower stays quick on a laptop CPU.
+# The demo's default image budget (--max-pixels): the 24-layer default tower stays quick on a
+# laptop CPU; with --model, the checkpoint's own unless given.
 DEMO_MAX_PIXELS = 160 * 32 * 32
 _DEMO_DESCRIPTION = (
     "Run the whole path once: preprocess three photographs and a short video, expand a prompt, "
@@ -28,16 +36,17 @@ def _demo(args: argparse.Namespace) -> int:
     from mmferry.models import spec_for
 
     check_device(args.device)
-    budget = {"min_pixels": args.min_pixels, "max_pixels": args.max_pixels}
+    options = resize_options(args)
     if args.model:
         if args.max_pixels == DEMO_MAX_PIXELS:
-            budget["max_pixels"] = None  # a checkpoint keeps its own unless told
+            options.pop("max_pixels")  # a checkpoint keeps its own unless told
         try:
-            proc = mf.Processor.from_pretrained(args.model, **_image_budget(budget))
+            proc = mf.Processor.from_pretrained(args.model)
         except (OSError, ValueError) as e:
             raise load_error(args.model, e) from None
     else:
-        proc = mf.Processor.for_model("qwen3-vl", **_image_budget(budget))
+        proc = mf.Processor.for_model("qwen3-vl")
+    proc = with_options(proc, options)
     sources = [str(p) for p in args.images] or [str(p) for p in mf.sample_images()]
     t0 = time.perf_counter()
     items = [proc.image(s, layout="compact-u8") for s in sources]
@@ -112,12 +121,6 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _image_budget(budget: dict[str, int | None]) -> dict[str, int]:
-    """transformers' names -> the processor's image fields, unset ones left out."""
-    names = {"min_pixels": "image_min_pixels", "max_pixels": "image_max_pixels"}
-    return {names[k]: v for k, v in budget.items() if v is not None}
-
-
 def _through_shared_memory(items: list) -> list:
     """Hand the features over as a consumer process would get them: small handles, views."""
     import dataclasses
@@ -149,17 +152,11 @@ def _add_demo_args(demo: argparse.ArgumentParser) -> None:
         help="a local Qwen-VL checkpoint folder (default: the built-in Qwen3-VL-2B-sized tower "
         "with seeded RANDOM weights)",
     )
-    demo.add_argument(
-        "--min-pixels",
-        type=int,
-        help="image pixel budget, lower bound (transformers' min_pixels; default: the model's)",
-    )
-    demo.add_argument(
-        "--max-pixels",
-        type=int,
-        default=DEMO_MAX_PIXELS,
-        help="image pixel budget, upper bound (transformers' max_pixels); the default keeps "
-        "the built-in tower quick on a laptop CPU; with --model, the checkpoint's own unless given",
+    add_resize_args(
+        demo,
+        max_pixels=DEMO_MAX_PIXELS,
+        why="the default keeps the built-in tower quick on a laptop CPU; with --model, the "
+        "checkpoint's own unless given",
     )
     demo.add_argument("--device", default="cpu", help="where the tower runs (cpu, cuda, cuda:1)")
     demo.add_argument(
@@ -170,7 +167,9 @@ def _add_demo_args(demo: argparse.ArgumentParser) -> None:
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser], dict]:
     """The top-level parser, each command's parser, and each command's function."""
     parser = argparse.ArgumentParser(prog="mmferry", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="cmd", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
     from mmferry.commands import bench, encode, serve
 
     parsers: dict[str, argparse.ArgumentParser] = {}

@@ -71,16 +71,109 @@ def test_wrong_option_after_a_command_shows_that_command(capsys):
     assert err.startswith("usage: mmferry demo") and "--bogus" in err, err
 
 
-@pytest.mark.parametrize("cmd", ["demo", "bench"])
+@pytest.mark.parametrize("cmd", ["encode", "serve"])
+def test_wrong_option_after_encode_or_serve_shows_that_command(capsys, cmd):
+    argv = [cmd, "x.png", "--out", "o.safetensors"] if cmd == "encode" else [cmd]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: mmferry {cmd}") and "--bogus" in err, err
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_a_port_out_of_range_is_one_error_line(capsys, port):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--port", port])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    # The command's usage in one line, then what is wrong in one line.
+    assert lines[0].startswith("usage: mmferry serve") and len(lines) == 2, lines
+    assert lines[1].startswith("mmferry serve: error: argument --port: "), lines
+    assert port in lines[1] and "Traceback" not in lines[1]
+
+
+@pytest.mark.parametrize("cmd", ["demo", "bench", "encode", "serve"])
 def test_every_option_has_help_and_shows_its_default(cmd):
     from mmferry.cli import build_parser
 
     parser = build_parser()[1][cmd]
     for action in parser._actions:
         assert action.help, f"mmferry {cmd} {action.option_strings or action.dest} has no help"
-    text = parser.format_help()
+    text = " ".join(parser.format_help().split())
     for action in parser._actions:
-        if action.option_strings and action.default not in (None, False, [], ()):
-            if action.default is argparse.SUPPRESS:
-                continue
-            assert f"(default: {action.default})" in " ".join(text.split()), action.dest
+        if action.help is argparse.SUPPRESS or action.default is argparse.SUPPRESS:
+            continue  # an old spelling, kept working
+        if action.option_strings and not _no_default(action.default):
+            assert f"(default: {action.default})" in text, (cmd, action.dest)
+
+
+def _no_default(value) -> bool:
+    # NOTE: by identity: 0 and 0.0 are defaults to show (0 == False).
+    return value is None or value is False or (isinstance(value, (list, tuple)) and not value)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    from mmferry.cli import build_parser
+
+    return build_parser()[1][argv[0]].parse_args(argv[1:])
+
+
+def test_serve_limits_have_a_prefix_of_their_own_and_keep_their_old_names():
+    from mmferry.server.limits import Limits
+
+    new = _parse(["serve", "--limit-request-bytes", "5", "--limit-items", "3"])
+    old = _parse(["serve", "--max-request-bytes", "5", "--max-items", "3"])
+    more = ["--limit-pixels", "7", "--limit-frames", "9"]
+    assert (new.limit_request_bytes, new.limit_items) == (old.limit_request_bytes, old.limit_items)
+    assert (
+        _parse(["serve", *more]).limit_frames,
+        _parse(["serve", "--max-frames", "9"]).limit_frames,
+    ) == (9, 9)
+    assert _parse(["serve", *more]).limit_pixels == 7
+    # --max-pixels is the resize budget now, as in transformers; the limit keeps its default.
+    args = _parse(["serve", "--max-pixels", "50000"])
+    assert args.max_pixels == 50000 and args.limit_pixels == Limits().max_pixels
+
+
+@pytest.mark.parametrize("cmd", ["demo", "encode", "serve"])
+def test_resize_options_mean_what_transformers_means(cmd):
+    import mmferry as mf
+    from mmferry.commands.model_args import resize_options
+
+    head = [cmd, "x.png", "--out", "o"] if cmd == "encode" else [cmd]
+    given = ["--min-pixels", "4096", "--max-pixels", "65536", "--video-min-pixels", "8192"]
+    given += ["--video-max-pixels", "131072", "--fps", "1.5", "--num-frames", "8"]
+    options = resize_options(_parse([*head, *given]))
+    # Qwen2-VL's video processor takes min_pixels / max_pixels too (videos_kwargs wins there);
+    # Qwen3-VL's only its own.
+    for family in ("qwen2-vl", "qwen3-vl"):
+        cfg = mf.Processor.for_model(family, **options).config
+        want = mf.Processor.for_model(
+            family,
+            images_kwargs={"min_pixels": 4096, "max_pixels": 65536},
+            videos_kwargs={"min_pixels": 8192, "max_pixels": 131072},
+            fps=1.5,
+            num_frames=8,
+        ).config
+        assert cfg == want, family
+        assert (cfg.image_min_pixels, cfg.image_max_pixels) == (4096, 65536)
+        assert (cfg.video_min_pixels, cfg.video_max_pixels, cfg.fps, cfg.num_frames) == (
+            8192,
+            131072,
+            1.5,
+            8,
+        )
+    only_image = resize_options(_parse([*head, "--max-pixels", "200704"]))
+    qwen2 = mf.Processor.for_model("qwen2-vl", **only_image).config
+    assert qwen2.image_max_pixels == qwen2.video_max_pixels == 200704, "as transformers has it"
+
+
+def test_old_image_max_pixels_is_the_image_budget_alone():
+    import mmferry as mf
+    from mmferry.commands.model_args import resize_options
+
+    options = resize_options(_parse(["serve", "--image-max-pixels", "65536"]))
+    cfg = mf.Processor.for_model("qwen2-vl", **options).config
+    default = mf.Processor.for_model("qwen2-vl").config
+    assert cfg.image_max_pixels == 65536 and cfg.video_max_pixels == default.video_max_pixels

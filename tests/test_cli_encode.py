@@ -96,6 +96,72 @@ def test_nothing_to_encode_writes_nothing(tmp_path):
     assert not out.exists()
 
 
+def test_what_names_nothing_says_why_in_one_bounded_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("no media here")
+    deep = str(tmp_path.joinpath(*["y" * 200] * 15, "a.png"))  # 3,000 characters, no such file
+    long = str(tmp_path / ("x" * 3000 + ".png"))  # one name too long for the file system
+    argv = [str(tmp_path / "empty"), str(tmp_path / "notes"), deep, long, str(tmp_path / "*.webm")]
+    rc, stderr = _run_in_process(monkeypatch, capsys, [*argv, "--out", str(tmp_path / "o")])
+    assert rc == 2 and "Traceback" not in stderr
+    lines = stderr.rstrip().splitlines()
+    assert lines[0] == f"  {tmp_path / 'empty'}: the folder has no images or videos " + (
+        "(.avi .bmp .gif .jpeg .jpg .m4v .mkv .mov .mp4 .png .tif .tiff .webm .webp)"
+    )
+    assert lines[1].startswith(f"  {tmp_path / 'notes'}: the folder has no images or videos")
+    assert lines[2].endswith(": no such file or folder") and len(lines[2]) < 300, lines[2]
+    assert lines[3].endswith(": File name too long") and len(lines[3]) < 300, lines[3]
+    assert lines[4].endswith("*.webm: matches nothing")
+    assert lines[5] == "mmferry encode: no inputs to encode; nothing written"
+
+
+def test_a_text_file_given_as_an_image_is_named(tmp_path, monkeypatch, capsys):
+    (tmp_path / "notes.png").write_text("hello, not an image")
+    _png(tmp_path / "a.png", 64, 64, 0)
+    out = tmp_path / "o.safetensors"
+    argv = [str(tmp_path / "notes.png"), str(tmp_path / "a.png"), "--out", str(out)]
+    rc, stderr = _run_in_process(monkeypatch, capsys, [*argv, "--depth", "1"])
+    assert rc == 1, stderr
+    (failed,) = [line for line in stderr.splitlines() if "FAILED" in line]
+    assert f"cannot decode image {tmp_path / 'notes.png'}: not a readable image" in failed
+    assert "b'hello, n'" in failed  # its first bytes, not the repr of a buffer
+    assert "BytesIO" not in failed and "0x" not in failed, failed
+
+
+def test_resize_options_by_their_transformers_names(tmp_path, monkeypatch, capsys):
+    _png(tmp_path / "a.png", 200, 120, 0)
+    got = {}
+    for name, flags in {
+        "new": ["--min-pixels", "4096", "--max-pixels", "16384"],
+        "old": ["--image-max-pixels", "16384", "--min-pixels", "4096"],
+    }.items():
+        out = tmp_path / f"{name}.safetensors"
+        argv = [str(tmp_path / "a.png"), "--out", str(out), "--depth", "1", *flags]
+        rc, stderr = _run_in_process(monkeypatch, capsys, argv)
+        assert rc == 0, stderr
+        (got[name],) = load_file(out)
+    want = mf.Processor.for_model("qwen3-vl", min_pixels=4096, max_pixels=16384)
+    item = want.image(str(tmp_path / "a.png"))
+    assert got["new"].grid_thw == got["old"].grid_thw == item.grid_thw
+    assert got["new"].hash == got["old"].hash == item.hash
+    default = mf.Processor.for_model("qwen3-vl").image(str(tmp_path / "a.png"))
+    assert default.grid_thw != item.grid_thw  # the option took effect
+
+
+def test_a_bad_resize_value_is_one_line(tmp_path, monkeypatch, capsys):
+    _png(tmp_path / "a.png", 64, 64, 0)
+    argv = [str(tmp_path / "a.png"), "--out", str(tmp_path / "o"), "--depth", "1"]
+    rc, stderr = _run_in_process(
+        monkeypatch, capsys, [*argv, "--min-pixels", "90000", "--max-pixels", "10000"]
+    )
+    assert rc == 2 and "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [
+        "mmferry encode: cannot build the model: image_min_pixels is larger than "
+        "image_max_pixels; nothing written"
+    ]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_interrupt_while_encoding_leaves_no_output(tmp_path, sig):
     for i in range(40):

@@ -35,7 +35,7 @@ def _checked(part: MediaPart, fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except ValueError as e:
-        raise part.error(str(e)) from None
+        raise part.error(str(e), kind="bad_media") from None
 
 
 def _image(proc: Processor, part: MediaPart, layout: Layout) -> MultimodalItem:

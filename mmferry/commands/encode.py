@@ -22,19 +22,31 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
-from mmferry.commands import UsageError
+from mmferry.commands import UsageError, short
 from mmferry.commands.model_args import add_model_args, build
 from mmferry.commands.outfile import OutputError, check_target, write_atomic
 
 IMAGE_SUFFIXES = frozenset([".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"])
 VIDEO_SUFFIXES = frozenset([".mp4", ".mkv", ".webm", ".mov", ".avi", ".m4v"])
+SUFFIXES = IMAGE_SUFFIXES | VIDEO_SUFFIXES
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", help="image and video files, folders or globs")
-    p.add_argument("--out", required=True, type=Path, help="the safetensors file to write")
+    p.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="the safetensors file to write (missing folders are created)",
+    )
     add_model_args(p)
-    p.add_argument("--layout", default="compact-u8", choices=["compact-u8", "hf"])
+    p.add_argument(
+        "--layout",
+        default="compact-u8",
+        choices=["compact-u8", "hf"],
+        help="the rows the tower is fed: compact-u8 (uint8, normalised inside the tower) or hf "
+        "(transformers' float32 rows)",
+    )
     p.add_argument(
         "--batch-patches", type=int, default=16384, help="patch budget of one encoder call"
     )
@@ -45,25 +57,29 @@ def expand_inputs(inputs: list[str]) -> tuple[list[Path], list[tuple[str, str]]]
     files: list[Path] = []
     missing: list[tuple[str, str]] = []
     for raw in inputs:
-        path = Path(raw)
-        if path.is_dir():
-            found = sorted(
-                p
-                for p in path.rglob("*")
-                if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES
-            )
-        elif path.is_file():
-            found = [path]
-        elif glob.has_magic(raw):
-            found = sorted(Path(p) for p in glob.glob(raw, recursive=True) if Path(p).is_file())
-        else:
-            found = []
+        try:
+            found, why = _expand(Path(raw), raw)
+        except OSError as e:  # a name too long, a loop of links, a folder not readable
+            found, why = [], e.strerror or str(e)
         if not found:
-            missing.append((raw, "no such file" if not glob.has_magic(raw) else "matches nothing"))
+            missing.append((short(raw), why))
         files += found
     seen: set[Path] = set()
     unique = [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
     return unique, missing
+
+
+def _expand(path: Path, raw: str) -> tuple[list[Path], str]:
+    """The files one input names, and why there are none."""
+    if path.is_dir():
+        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES)
+        return found, "the folder has no images or videos (" + " ".join(sorted(SUFFIXES)) + ")"
+    if path.is_file():
+        return [path], ""
+    if glob.has_magic(raw):
+        found = sorted(Path(p) for p in glob.glob(raw, recursive=True) if Path(p).is_file())
+        return found, "matches nothing"
+    return [], "no such file or folder"
 
 
 class Progress:
@@ -205,7 +221,7 @@ def _prepare(proc, files: list[Path], layout: str, failed: list, bar: Progress) 
             else:
                 item = proc.image(str(path), layout=layout)
         except Exception as e:  # noqa: BLE001 - any failure of one input skips that input
-            failed.append((str(path), _why(e)))
+            failed.append((short(path), _why(e)))
             bar.update(1, 0)
             continue
         prepared.append((path, item))
@@ -230,7 +246,7 @@ def _encode_all(enc, prepared: list, budget: int, failed: list, bar: Progress) -
                     raise out
                 encoded.append(EncodedItem.of(it, out, source=str(path)))
             except Exception as e:  # noqa: BLE001 - its encode failed, or gave the wrong rows
-                failed.append((str(path), _why(e)))
+                failed.append((short(path), _why(e)))
         bar.update(len(batch), sum(it.num_tokens for _, it in batch))
     return encoded
 

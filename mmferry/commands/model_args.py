@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 
 from mmferry.commands import UsageError, quoted
 from mmferry.config import VisionConfig
@@ -12,10 +13,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model / --random / --depth / --device / --dtype / --image-max-pixels."""
+    """--model / --random / --depth / --device / --dtype, and the resize options."""
     from mmferry.models import PRESETS
 
-    p.add_argument("--model", metavar="DIR", help="a local Qwen-VL checkpoint folder")
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a local Qwen-VL checkpoint folder (default: the built-in tower, see --random)",
+    )
     p.add_argument(
         "--random",
         default="qwen3-vl",
@@ -26,13 +31,78 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--depth",
         type=int,
         help="without --model: keep only the first DEPTH layers of the random tower (a quicker "
-        "tower for trying the command out; its deepstack taps move into range)",
+        "tower for trying the command out; its deepstack taps move into range; default: all)",
     )
     p.add_argument("--device", default="cpu", help="where the tower runs (cpu, cuda, cuda:1)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="the tower's parameter dtype")
+    add_resize_args(p)
+
+
+def add_resize_args(
+    p: argparse.ArgumentParser, max_pixels: int | None = None, why: str = ""
+) -> None:
+    """The processor's resize and sampling options, as transformers spells them (`max_pixels`,
+    `why`: a default of the command's own, and why)."""
+    model = "default: the model's own"
     p.add_argument(
-        "--image-max-pixels", type=int, help="image pixel budget (default: the model's own)"
+        "--min-pixels",
+        type=int,
+        metavar="N",
+        help=f"image pixel budget, lower bound (transformers' min_pixels: also videos' for "
+        f"Qwen2-VL and Qwen2.5-VL, as their video processor reads it; {model})",
     )
+    p.add_argument(
+        "--max-pixels",
+        type=int,
+        metavar="N",
+        default=max_pixels,
+        help="image pixel budget, upper bound (transformers' max_pixels, as --min-pixels; "
+        + (why or model)
+        + ")",
+    )
+    # The old name: the image budget alone, whatever the family.
+    p.add_argument("--image-max-pixels", type=int, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--video-min-pixels",
+        type=int,
+        metavar="N",
+        help=f"video pixel budget, lower bound (transformers' videos_kwargs min_pixels; {model})",
+    )
+    p.add_argument(
+        "--video-max-pixels",
+        type=int,
+        metavar="N",
+        help=f"video pixel budget, upper bound (transformers' videos_kwargs max_pixels; {model})",
+    )
+    p.add_argument(
+        "--fps", type=float, help=f"frames sampled per second of video (transformers' fps; {model})"
+    )
+    p.add_argument(
+        "--num-frames",
+        type=int,
+        metavar="N",
+        help=f"frames sampled per video, instead of --fps (transformers' num_frames; {model})",
+    )
+
+
+def resize_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The resize and sampling options given, spelled as transformers spells them (read by
+    `mmferry.chat.options`, so they mean what transformers means)."""
+    out: dict[str, Any] = {
+        k: getattr(args, k)
+        for k in ("min_pixels", "max_pixels", "fps", "num_frames")
+        if getattr(args, k, None) is not None
+    }
+    video = {
+        k: getattr(args, f"video_{k}")
+        for k in ("min_pixels", "max_pixels")
+        if getattr(args, f"video_{k}", None) is not None
+    }
+    if video:
+        out["videos_kwargs"] = video
+    if getattr(args, "image_max_pixels", None) is not None:
+        out["images_kwargs"] = {"max_pixels": args.image_max_pixels}
+    return out
 
 
 def shallow(cfg: VisionConfig, depth: int) -> VisionConfig:
@@ -81,21 +151,34 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
     import mmferry as mf
     from mmferry.models import spec_for
 
-    overrides = {}
-    if args.image_max_pixels:
-        overrides["image_max_pixels"] = args.image_max_pixels
     check_device(args.device)
     dtype = getattr(torch, args.dtype)
     if args.model:
         try:
-            proc = mf.Processor.from_pretrained(args.model, **overrides)
+            proc = mf.Processor.from_pretrained(args.model)
+        except (OSError, ValueError) as e:
+            raise load_error(args.model, e) from None
+    else:
+        proc = mf.Processor.for_model(args.random)
+    proc = with_options(proc, resize_options(args))  # checked before the tower is built
+    if args.model:
+        try:
             enc = mf.VisionEncoder.from_pretrained(args.model, device=args.device, dtype=dtype)
         except (OSError, ValueError) as e:
             raise load_error(args.model, e) from None
         return proc, enc
-    proc = mf.Processor.for_model(args.random, **overrides)
     cfg = spec_for(args.random).random_config
     if args.depth:
         cfg = shallow(cfg, args.depth)
     enc = mf.VisionEncoder.random(config=cfg, device=args.device, dtype=dtype)
     return proc, enc
+
+
+def with_options(proc, options: dict[str, Any]):  # -> Processor
+    """`proc` with the command line's processor options; UsageError for a bad value."""
+    if not options:
+        return proc
+    try:
+        return proc.with_options(options)
+    except ValueError as e:  # min above max, an fps of 0, ...
+        raise UsageError(" ".join(str(e).split())) from None

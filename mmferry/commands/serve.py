@@ -1,5 +1,9 @@
 """`mmferry serve`: the HTTP encoder service.
 
+Requests hold content parts or whole chat messages (OpenAI or Qwen form, with qwen-vl-utils'
+per-item keys). --min-pixels / --max-pixels, the video ones, --fps and --num-frames resize and
+sample as transformers' options of those names do; what one request may hold is set by the
+--limit-* options (--limit-pixels is what --max-pixels meant before: the resize budget now).
 The API key, when one is wanted, comes from the MMFERRY_API_KEY environment variable (kept out
 of the command line, which other users can read). SIGTERM or Ctrl-C drains and exits 0.
 """
@@ -9,17 +13,43 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mmferry.commands import quoted
 from mmferry.commands.model_args import add_model_args, build
 
 
+def port(text: str) -> int:
+    """argparse type of --port: 0 to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {quoted(text)}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0 to 65535; 0 picks a free one)")
+    return value
+
+
+# (field of Limits, help); the option is limits.option(field). The old --max-* names stay
+# accepted (hidden), except --max-pixels, which is now the resize budget as in transformers.
+_LIMITS = (
+    ("max_request_bytes", "the body, and each file, data: URL or download; 413 past it"),
+    ("max_items", "images and videos per request; 422 past it"),
+    ("max_pixels", "pixels of an image or a video frame, read from its header; 422 past it"),
+    (
+        "max_frames",
+        "frames a video is sampled to (so decoded and held), not the file's count; 422 past it",
+    ),
+)
+_OLD_NAMES = {"max_request_bytes", "max_items", "max_frames"}
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    from mmferry.server.limits import Limits
+    from mmferry.server.limits import Limits, option
     from mmferry.server.service import ServiceConfig
 
     d, lim = ServiceConfig(), Limits()
     add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this host only)")
+    p.add_argument("--port", type=port, default=8000, help="0 picks a free port (printed)")
     p.add_argument(
         "--max-batch-patches",
         type=int,
@@ -27,78 +57,86 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="patch budget of one encoder call",
     )
     p.add_argument("--no-batching", action="store_true", help="one item per encoder call")
-    p.add_argument("--batch-wait-ms", type=float, default=0.0, help="wait for more before a call")
+    p.add_argument(
+        "--batch-wait-ms", type=float, default=0.0, help="wait for more items before a call"
+    )
     p.add_argument(
         "--max-queue",
         type=int,
         default=d.max_queue,
-        help="admitted requests (their bodies in); 503 past it (default %(default)s)",
-    )
-    p.add_argument("--cache-mib", type=int, default=d.cache_bytes >> 20, help="encoder cache")
-    p.add_argument(
-        "--shm-mib", type=int, default=d.shm_bytes >> 20, help="shared-memory responses (0: off)"
+        help="admitted requests (their bodies in); 503 past it",
     )
     p.add_argument(
-        "--max-request-bytes",
+        "--cache-mib", type=int, default=d.cache_bytes >> 20, help="encoder cache size (MiB)"
+    )
+    p.add_argument(
+        "--shm-mib",
         type=int,
-        default=lim.max_request_bytes,
-        help="the body, and each file or URL read; 413 past it (default %(default)s)",
+        default=d.shm_bytes >> 20,
+        help="shared memory for shm responses (MiB; 0: off)",
+    )
+    for field, text in _LIMITS:
+        dest = "limit_" + field.removeprefix("max_")
+        p.add_argument(
+            option(field), type=int, default=getattr(lim, field), dest=dest, metavar="N", help=text
+        )
+        if field in _OLD_NAMES:
+            p.add_argument(
+                "--" + field.replace("_", "-"),
+                type=int,
+                dest=dest,
+                default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS,
+            )
+    p.add_argument(
+        "--allow-path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder whose files clients may name (repeatable; default: none)",
     )
     p.add_argument(
-        "--max-items",
-        type=int,
-        default=lim.max_items,
-        help="parts per request (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-pixels",
-        type=int,
-        default=lim.max_pixels,
-        help="per image or video frame, from the header (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-frames",
-        type=int,
-        default=lim.max_frames,
-        help="frames sampled (so decoded and held) per video, not the file's count "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--allow-path", action="append", default=[], metavar="DIR", help="local folder to serve"
-    )
-    p.add_argument(
-        "--allow-host", action="append", default=[], metavar="HOST", help="host[:port] to fetch"
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="a host[:port] whose http(s) URLs are fetched (repeatable; default: none)",
     )
     p.add_argument(
         "--fetch-timeout",
         type=float,
         default=lim.fetch_timeout_s,
         metavar="S",
-        help="one remote fetch in all, waiting for a slot included; 504 past it "
-        "(default %(default)s)",
+        help="one remote fetch in all, waiting for a slot included; 504 past it",
     )
     p.add_argument(
         "--fetch-concurrency",
         type=int,
         default=d.fetch_concurrency,
         metavar="N",
-        help="remote fetches at once, beside preprocessing (default %(default)s)",
+        help="remote fetches at once, beside preprocessing",
     )
     p.add_argument(
         "--drain-timeout",
         type=float,
         default=d.drain_timeout_s,
         metavar="S",
-        help="SIGTERM to exit, open requests included (default %(default)s)",
+        help="SIGTERM to exit, open requests included",
     )
     p.add_argument(
         "--body-timeout",
         type=float,
         default=d.body_timeout_s,
         metavar="S",
-        help="a request body must arrive within this; 408 past it (default %(default)s)",
+        help="a request body must arrive within this; 408 past it",
     )
-    p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        type=str.lower,
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="uvicorn's log level",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,10 +151,10 @@ def run(args: argparse.Namespace) -> int:
     env = Env.read()
     try:
         limits = Limits(
-            max_request_bytes=args.max_request_bytes,
-            max_items=args.max_items,
-            max_pixels=args.max_pixels,
-            max_frames=args.max_frames,
+            max_request_bytes=args.limit_request_bytes,
+            max_items=args.limit_items,
+            max_pixels=args.limit_pixels,
+            max_frames=args.limit_frames,
             allow_paths=tuple(args.allow_path),
             allow_hosts=tuple(args.allow_host),
             fetch_timeout_s=args.fetch_timeout,

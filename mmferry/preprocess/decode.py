@@ -64,10 +64,16 @@ class DecodedImage:
     identity: tuple[bytes | memoryview, ...] | None
 
 
+_NAME_LIMIT = 160  # characters of a path shown in a message
+
+
 def describe(source: Any) -> str:
     """A short name for a source, used in error messages."""
     if isinstance(source, (str, os.PathLike)):
-        return str(source)
+        # NOTE: bounded, keeping the end (the file's name): a message never echoes a whole
+        # client's path.
+        text = str(source)
+        return text if len(text) <= _NAME_LIMIT else "..." + text[-(_NAME_LIMIT - 3) :]
     if isinstance(source, (bytes, bytearray, memoryview)):
         return f"<bytes of length {len(source)}>"
     if isinstance(source, Image.Image):
@@ -129,8 +135,12 @@ def _open_checked(data: bytes, name: str, max_pixels: int) -> Image.Image:
         im = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:
         raise ValueError(f"image {name} is too large to decode safely: {e}") from None
-    except UnidentifiedImageError as e:
-        raise ValueError(f"cannot decode image {name}: not a readable image ({e})") from None
+    except UnidentifiedImageError:
+        # NOTE: Pillow's message names its BytesIO object, which tells nobody anything.
+        raise ValueError(
+            f"cannot decode image {name}: not a readable image (no image format Pillow reads "
+            f"starts with {data[:8]!r})"
+        ) from None
     except _UNREADABLE as e:
         raise ValueError(f"cannot decode image {name}: corrupt header or metadata ({e})") from None
     # NOTE: checked on the header size, before any pixel is decoded (decompression bombs).

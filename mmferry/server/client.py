@@ -81,12 +81,15 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _handle(doc: dict[str, Any]) -> Any:
+def open_handle(doc: dict[str, Any]) -> Any:
+    """The tensor one handle of a `"response": "shm"` answer names (an item's `embeds`, or one
+    of its `deepstack`), as a zero-copy view; its bytes when the server sent them inline."""
     from mmferry.transport.shm import ShmHandle, open_shared
 
-    inline = doc.pop("inline_b64")
+    fields = {k: v for k, v in doc.items() if k != "inline_b64"}
+    inline = doc.get("inline_b64")
     handle = ShmHandle(
-        **{**doc, "shape": tuple(doc["shape"])},
+        **{**fields, "shape": tuple(fields["shape"])},
         inline=None if inline is None else base64.b64decode(inline),
     )
     return open_shared(handle)
@@ -104,8 +107,8 @@ def _parse(response: Any) -> list[EncodedItem]:
         return [
             EncodedItem(
                 modality=d["modality"],
-                embeds=_handle(d["embeds"]),
-                deepstack=tuple(_handle(h) for h in d["deepstack"]),
+                embeds=open_handle(d["embeds"]),
+                deepstack=tuple(open_handle(h) for h in d["deepstack"]),
                 grid_thw=tuple(d["grid_thw"]),
                 num_tokens=d["num_tokens"],
                 hash=d["hash"],

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mmferry.chat.sources import shown
+
+__all__ = ["Limits", "RequestError", "option", "over_limit", "shown", "too_large"]
+
 
 class RequestError(Exception):
     """A refused request: the HTTP status, a machine-readable kind and a message for people."""
@@ -17,7 +21,7 @@ class RequestError(Exception):
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-request bounds and the sources the operator allows."""
+    """Per-request bounds and the sources the operator allows (`mmferry serve --limit-*`)."""
 
     max_request_bytes: int = 32 << 20  # body, and each file or URL read (413)
     max_items: int = 16  # image and video parts per request (422)
@@ -31,16 +35,33 @@ class Limits:
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_items", "max_pixels", "max_frames"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
+                raise ValueError(f"{name} ({option(name)}) must be at least 1")
         if not self.fetch_timeout_s > 0:
             raise ValueError("fetch_timeout_s must be positive")
-        # NOTE: host names are case-insensitive; URLs are matched in lower case (sources.py).
+        # NOTE: host names are case-insensitive; URLs are matched in lower case.
         object.__setattr__(self, "allow_hosts", tuple(h.lower() for h in self.allow_hosts))
 
 
+# A limit's field -> the `mmferry serve` option that sets it. The limits have a prefix of their
+# own, so that --max-pixels (and --min-pixels) mean the resize budget, as in transformers.
+OPTIONS = {
+    "max_request_bytes": "--limit-request-bytes",
+    "max_items": "--limit-items",
+    "max_pixels": "--limit-pixels",
+    "max_frames": "--limit-frames",
+    "allow_paths": "--allow-path",
+    "allow_hosts": "--allow-host",
+}
+
+
 def option(limit_name: str) -> str:
-    """The `mmferry serve` option that sets a limit: max_pixels -> --max-pixels."""
-    return "--" + limit_name.replace("_", "-")
+    """The `mmferry serve` option that sets a limit: max_pixels -> --limit-pixels."""
+    return OPTIONS.get(limit_name) or "--" + limit_name.replace("_", "-")
+
+
+def _named(limit_name: str, limit: int) -> str:
+    flag = option(limit_name)
+    return f"{flag[2:].replace('-', '_')}={limit} ({flag})"
 
 
 def too_large(what: str, size: int, limit_name: str, limit: int) -> RequestError:
@@ -48,7 +69,7 @@ def too_large(what: str, size: int, limit_name: str, limit: int) -> RequestError
     return RequestError(
         413,
         "too_large",
-        f"{what} is {size} bytes, more than {limit_name}={limit} ({option(limit_name)})",
+        f"{what} is {size} bytes, more than {_named(limit_name, limit)}",
     )
 
 
@@ -57,16 +78,5 @@ def over_limit(what: str, value: int, limit_name: str, limit: int) -> RequestErr
     return RequestError(
         422,
         "over_limit",
-        f"{what} is {value}, more than {limit_name}={limit} ({option(limit_name)})",
+        f"{what} is {value}, more than {_named(limit_name, limit)}",
     )
-
-
-def shown(value: object, width: int = 60) -> str:
-    """A client's value for an error message: short, and never a deep structure's repr."""
-    # NOTE: a message must not echo a 30 MB string back, nor recurse into nested lists.
-    if isinstance(value, (str, bytes)):
-        text = repr(value[:width])
-        return text + f"... ({len(value)} characters)" if len(value) > width else text
-    if value is None or isinstance(value, (bool, int, float)):
-        return repr(value)[:width]
-    return f"a JSON {'array' if isinstance(value, list) else 'object'}"

@@ -36,7 +36,7 @@ class _NoCookies(CookiePolicy):
 
 
 class RemoteFetcher:
-    """GETs of checked URLs (sources.remote_url), `concurrency` at a time, `timeout_s` each."""
+    """GETs of checked URLs (allowed hosts only), `concurrency` at a time, `timeout_s` each."""
 
     def __init__(self, concurrency: int, timeout_s: float, max_bytes: int) -> None:
         if concurrency < 1 or not timeout_s > 0:
@@ -47,19 +47,20 @@ class RemoteFetcher:
         self._slots = asyncio.Semaphore(concurrency)
         self._client: Any = None
 
-    async def fetch(self, url: str, index: int) -> bytes:
-        """The body `url` answers with; 504 past the deadline, 502 for a failed fetch."""
+    async def fetch(self, url: str, where: str) -> bytes:
+        """The body `url` answers with; 504 past the deadline, 502 for a failed fetch. `where`
+        names the part in messages ("part 2", "message 1 part 0")."""
         try:
-            return await asyncio.wait_for(self._fetch(url, index), self.timeout_s)
+            return await asyncio.wait_for(self._fetch(url, where), self.timeout_s)
         except asyncio.TimeoutError:
             raise RequestError(
                 504,
                 "fetch_timeout",
-                f"part {index}: fetching {shown(url)} took more than "
+                f"{where}: fetching {shown(url)} took more than "
                 f"fetch_timeout_s={self.timeout_s:g} (--fetch-timeout)",
             ) from None
 
-    async def _fetch(self, url: str, index: int) -> bytes:
+    async def _fetch(self, url: str, where: str) -> bytes:
         import httpx
 
         async with self._slots:
@@ -70,20 +71,20 @@ class RemoteFetcher:
                         raise RequestError(
                             502,
                             "fetch_failed",
-                            f"part {index}: {shown(url)} answered {r.status_code}",
+                            f"{where}: {shown(url)} answered {r.status_code}",
                         )
                     async for chunk in r.aiter_bytes():
                         data += chunk
                         if len(data) > self.max_bytes:
-                            what = f"part {index} ({shown(url)})"
+                            what = f"{where} ({shown(url)})"
                             raise too_large(what, len(data), "max_request_bytes", self.max_bytes)
             except httpx.InvalidURL as e:
                 raise RequestError(
-                    400, "bad_url", f"part {index}: malformed URL {shown(url)} ({e})"
+                    400, "bad_url", f"{where}: malformed URL {shown(url)} ({e})"
                 ) from None
             except httpx.HTTPError as e:
                 raise RequestError(
-                    502, "fetch_failed", f"part {index}: fetching {shown(url)} failed ({e})"
+                    502, "fetch_failed", f"{where}: fetching {shown(url)} failed ({e})"
                 ) from None
         return bytes(data)
 

@@ -1,9 +1,10 @@
 """`EncoderService`: one request from checked bytes to its response, free of HTTP details.
 
-The app (app.py) calls `handle` with the parsed JSON body; the service fetches and checks each
-part (remote URLs in their own slots, remote.py), preprocesses on a small thread pool, encodes
-through the batcher and builds the response (safetensors bytes, or shared-memory handles for a
-client on the same host).
+The app (app.py) calls `handle` with the parsed JSON body (content parts or chat messages,
+sources.py); the service fetches each part's remote URLs (in their own slots, remote.py), reads
+and checks the rest and preprocesses on a small thread pool (with the part's own qwen-vl-utils
+keys, as the library does), encodes through the batcher and builds the response (safetensors
+bytes, or shared-memory handles for a client on the same host).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 
+from mmferry.chat.media import build_item
+from mmferry.chat.parts import MediaPart, PartError, read_part
 from mmferry.embed.cache import EncoderCache
 from mmferry.encoder.model import VisionEncoder, VisionOutput
 from mmferry.items import LAYOUTS, MultimodalItem
@@ -29,14 +32,7 @@ from mmferry.server.encoded import EncodedItem, to_bytes
 from mmferry.server.limits import Limits, RequestError, shown
 from mmferry.server.metrics import Metrics
 from mmferry.server.remote import RemoteFetcher
-from mmferry.server.sources import (
-    Media,
-    check_media,
-    local_media,
-    parse_request,
-    remote_url,
-    url_scheme,
-)
+from mmferry.server.sources import check_media, parse_request, refused, source_policy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RESPONSES = ("safetensors", "shm")
@@ -111,6 +107,7 @@ class EncoderService:
         )
         self._pool = ThreadPoolExecutor(config.preprocess_threads, "mmferry-preprocess")
         limits = config.limits
+        self._policy = source_policy(limits)
         self._remote = RemoteFetcher(
             config.fetch_concurrency, limits.fetch_timeout_s, limits.max_request_bytes
         )
@@ -144,7 +141,10 @@ class EncoderService:
             named = ", ".join(shown(k, 40) for k in unknown[:5])
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise RequestError(
-                422, "bad_request", f"unknown field(s) {named}{more}; accepted: content, {OPTIONS}"
+                422,
+                "bad_request",
+                f"unknown field(s) {named}{more}; accepted: content or messages, "
+                f"{', '.join(OPTIONS)}",
             )
         layout = _choice(options, "layout", "compact-u8", LAYOUTS)
         dtype_name = _choice(
@@ -158,53 +158,43 @@ class EncoderService:
             )
         return layout, DTYPES[dtype_name], response
 
-    async def _prepare(self, modality: str, url: str, index: int, layout: str) -> MultimodalItem:
-        limits = self.config.limits
-        media, fetched_s = None, 0.0
-        if url_scheme(url) in ("http", "https"):
-            # NOTE: on the event loop, in its own slots: never on the preprocessing threads.
+    async def _prepare(self, part: MediaPart, layout: str) -> MultimodalItem:
+        remote = [r.value for r in part.references() if r.scheme == "remote"]
+        fetched, fetched_s = {}, 0.0
+        if remote:
+            # NOTE: on the event loop, in their own slots: never on the preprocessing threads.
             t0 = time.perf_counter()
-            data = await self._remote.fetch(remote_url(url, index, limits), index)
-            media, fetched_s = Media(modality, data, f"part {index}"), time.perf_counter() - t0
+            datas = await asyncio.gather(*(self._remote.fetch(u, part.where) for u in remote))
+            fetched, fetched_s = dict(zip(remote, datas)), time.perf_counter() - t0
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._pool, self._preprocess, modality, url, index, layout, media, fetched_s
+            self._pool, self._preprocess, part, layout, fetched, fetched_s
         )
 
     def _preprocess(
-        self,
-        modality: str,
-        url: str,
-        index: int,
-        layout: str,
-        media: Media | None,
-        fetched_s: float,
+        self, part: MediaPart, layout: str, fetched: dict[str, bytes], fetched_s: float
     ) -> MultimodalItem:
-        """On the pool: read a local part, check its header, preprocess it."""
+        """On the pool: read a part's local sources, check their headers, preprocess it."""
         limits = self.config.limits
         t0 = time.perf_counter()
-        media = media or local_media(modality, url, index, limits)
-        check_media(media, limits, self.processor.config)
-        t1 = time.perf_counter()
-        self.metrics.stage_seconds.labels("fetch").observe(fetched_s + t1 - t0)
         try:
-            if modality == "image":
-                item = self.processor.image(media.data, layout=layout)
-            else:
-                item = self.processor.video(media.data, layout=layout)
-        except ValueError as e:
-            raise RequestError(422, "bad_media", f"{media.name}: {e}") from None
+            part = read_part(part, self._policy, fetched)
+            check_media(part, limits, self.processor.config)
+            t1 = time.perf_counter()
+            self.metrics.stage_seconds.labels("fetch").observe(fetched_s + t1 - t0)
+            item = build_item(self.processor, part, layout, {})
+        except PartError as e:
+            raise refused(e) from None
+        except ValueError as e:  # a decoder's refusal outside the part's own checks
+            raise RequestError(422, "bad_media", f"{part.where}: {e}") from None
         self.metrics.stage_seconds.labels("preprocess").observe(time.perf_counter() - t1)
         return item
 
     async def handle(self, body: Any, *, local: bool) -> EncodeResult:
         """Encode every part of one request; RequestError for anything refused."""
-        parts, options = parse_request(body, self.config.limits)
+        parts, options = parse_request(body, self._policy)
         layout, dtype, response = self._options(options, local)
-        tasks = [
-            asyncio.ensure_future(self._prepare(modality, url, i, layout))
-            for i, (modality, url) in enumerate(parts)
-        ]
+        tasks = [asyncio.ensure_future(self._prepare(part, layout)) for part in parts]
         try:
             items = await asyncio.gather(*tasks)
         except BaseException:

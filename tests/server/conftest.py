@@ -49,7 +49,7 @@ class Server:
 def start_server(args: list[str], *, env: dict[str, str] | None = None) -> Server:
     """Start `mmferry serve --port 0 ...` and wait for the port it prints."""
     cmd = [sys.executable, "-m", "mmferry", "serve", "--port", "0", "--depth", str(DEPTH)]
-    cmd += ["--image-max-pixels", str(IMAGE_MAX_PIXELS), *args]
+    cmd += ["--max-pixels", str(IMAGE_MAX_PIXELS), *args]
     full_env = {k: v for k, v in os.environ.items() if k != "MMFERRY_API_KEY"}
     full_env.update(PYTHONPATH=str(ROOT), **(env or {}))
     proc = subprocess.Popen(
@@ -88,11 +88,11 @@ def server(media_dir) -> Iterator[Server]:
         [
             "--allow-path",
             str(media_dir),
-            "--max-request-bytes",
+            "--limit-request-bytes",
             str(2 << 20),
-            "--max-items",
+            "--limit-items",
             "5",
-            "--max-pixels",
+            "--limit-pixels",
             str(1_000_000),
             "--shm-mib",
             "16",

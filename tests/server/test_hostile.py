@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import struct
 import threading
 import time
@@ -39,7 +40,8 @@ def hostile(media_dir, origin) -> Iterator[Server]:
     s = start_server(
         [
             *("--allow-path", str(media_dir), "--allow-host", origin.host),
-            *("--allow-host", "h", "--max-pixels", str(1_000_000), "--shm-mib", "0"),
+            *("--allow-host", "h", "--limit-pixels", str(1_000_000), "--shm-mib", "0"),
+            # --max-frames: the old spelling of --limit-frames, still accepted
             *("--max-queue", str(MAX_QUEUE), "--max-frames", str(MAX_FRAMES)),
             *("--body-timeout", str(BODY_TIMEOUT_S), "--fetch-timeout", str(FETCH_TIMEOUT_S)),
             *("--fetch-concurrency", str(FETCH_CONCURRENCY)),
@@ -138,7 +140,7 @@ def _bad_inputs(media_dir, origin) -> dict[str, tuple[bytes, int, str]]:
         "PNG zTXt chunk bomb": (_img(_data(_png_with(_chunk(b"zTXt", b"k\0\0" + bomb)))), 422, ""),
         "PNG iCCP chunk bomb": (_img(_data(_png_with(_chunk(b"iCCP", b"p\0\0" + bomb)))), 422, ""),
         "PPM with a non-numeric width": (_img(_data(ppm, "image/x-portable-pixmap")), 422, ""),
-        "image over Pillow's pixel limit": (_img(_data(huge)), 422, "--max-pixels"),
+        "image over Pillow's pixel limit": (_img(_data(huge)), 422, "--limit-pixels"),
     }
 
 
@@ -181,8 +183,43 @@ def test_max_frames_bounds_the_sampled_frames_not_the_container(hostile):
     r = _post(hostile.url, _img(_data(_clip(900), "video/mp4"), "video"))
     assert r.status_code == 422, r.text[:300]
     message = r.json()["error"]["message"]
-    assert "sampled" in message and f"max_frames={MAX_FRAMES}" in message
-    assert "--max-frames" in message
+    assert "sampled" in message and f"limit_frames={MAX_FRAMES}" in message
+    assert "--limit-frames" in message
+
+
+def test_max_frames_follows_the_parts_own_sampling_keys(hostile):
+    clip = {"type": "video_url", "video_url": {"url": _data(_clip(300), "video/mp4")}}
+    # 20 frames at the processor's 2 fps pass; the part asks for 60: more than --limit-frames.
+    r = _post(hostile.url, json.dumps({"content": [{**clip, "nframes": 60}]}).encode())
+    assert r.status_code == 422, r.text[:300]
+    assert f"limit_frames={MAX_FRAMES}" in r.json()["error"]["message"]
+    # 60 frames at 2 fps are refused; the part asks for 8 of them.
+    long = {"type": "video", "video": _data(_clip(900), "video/mp4"), "nframes": 8}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what?"}, long]}]
+    r = _post(hostile.url, json.dumps({"messages": messages}).encode())
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_a_fifo_in_an_allowed_folder_is_a_404_at_once(hostile, media_dir):
+    fifo = media_dir / "pipe.png"
+    os.mkfifo(fifo)
+    try:
+        t0 = time.monotonic()
+        r = _post(hostile.url, _img(fifo.as_posix()))
+        assert r.status_code == 404 and "not a regular file" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < SLOW_S
+    finally:
+        fifo.unlink()
+
+
+def test_qwen_parts_in_messages_fetch_from_allowed_hosts_only(hostile, origin):
+    def body(url: str) -> bytes:
+        part = {"type": "image", "image": url}
+        return json.dumps({"messages": [{"role": "user", "content": [part]}]}).encode()
+
+    assert _post(hostile.url, body(f"http://{origin.host}/img.png")).status_code == 200
+    r = _post(hostile.url, body("http://example.com/img.png"))
+    assert r.status_code == 403 and "--allow-host" in r.json()["error"]["message"]
 
 
 def _health(url: str) -> dict:

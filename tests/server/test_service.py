@@ -21,9 +21,11 @@ from mmferry.server.client import (
     EncodeError,
     EncoderClient,
     image_part,
+    open_handle,
     path_part,
     video_part,
 )
+from mmferry.server.encoded import from_bytes
 
 from .conftest import API_KEY, DEPTH, IMAGE_MAX_PIXELS, png
 
@@ -144,6 +146,15 @@ def _img(url: str) -> dict:
     return {"content": [{"type": "image_url", "image_url": {"url": url}}]}
 
 
+def _msgs(content) -> dict:
+    return {
+        "messages": [
+            {"role": "system", "content": "Describe."},
+            {"role": "user", "content": content},
+        ]
+    }
+
+
 def _data(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
@@ -156,9 +167,9 @@ def _bad_requests(media_dir):
     five = [{"type": "image_url", "image_url": {"url": _data(png(32, 32, 1))}}] * 6
     return {
         "corrupt image": (_img(_data((media_dir / "broken.png").read_bytes())), {}, 422, "image"),
-        "oversize body": (_img(big), {}, 413, "max_request_bytes"),
-        "too many pixels": (_img(_data(wide)), {}, 422, "max_pixels"),
-        "too many items": ({"content": five}, {}, 422, "max_items"),
+        "oversize body": (_img(big), {}, 413, "limit_request_bytes"),
+        "too many pixels": (_img(_data(wide)), {}, 422, "limit_pixels=1000000 (--limit-pixels)"),
+        "too many items": ({"content": five}, {}, 422, "--limit-items"),
         "wrong request content type": (_img(_data(wide)), {"ctype": "text/plain"}, 415, "json"),
         "wrong data content type": (_img(_data(b"hello", "text/plain")), {}, 415, "image/*"),
         "missing content": ({"layout": "hf"}, {}, 422, "content"),
@@ -170,6 +181,30 @@ def _bad_requests(media_dir):
         "disallowed path": (_img("/etc/hostname"), {}, 403, "allowed folders"),
         "path escaping": (_img(f"{media_dir}/../../etc/hostname"), {}, 403, "allowed folders"),
         "remote url": (_img("http://example.com/cat.png"), {}, 403, "--allow-host"),
+        "missing file in an allowed folder": (_img(f"{media_dir}/nope.png"), {}, 404, "no such"),
+        "a folder, not a file": (_img(str(media_dir)), {}, 404, "not a regular file"),
+        "a relative path": (_img("img0.png"), {}, 422, "not absolute"),
+        "a video key on an image": (
+            {"content": [{**_img(_data(wide))["content"][0], "fps": 2}]},
+            {},
+            422,
+            "'fps' is a video option",
+        ),
+        "content and messages": ({**_img(_data(wide)), "messages": []}, {}, 422, "not both"),
+        "messages without media": (_msgs("hello"), {}, 422, "no image or video"),
+        "a bad part in a message": (
+            _msgs([{"type": "text", "text": "x"}, {"type": "audio_url"}]),
+            {},
+            422,
+            "message 1 part 1: unknown part type 'audio_url'",
+        ),
+        "a message without a role": ({"messages": [{"content": "x"}]}, {}, 422, "'role'"),
+        "a disallowed path in a message": (
+            _msgs([{"type": "image", "image": "/etc/hostname"}]),
+            {},
+            403,
+            "message 1 part 0: '/etc/hostname' is outside the allowed folders",
+        ),
         "wrong api key": (_img(_data(wide)), {"key": "wrong"}, 401, "API key"),
         "no api key": (_img(_data(wide)), {"key": None}, 401, "API key"),
     }
@@ -238,3 +273,96 @@ def test_service_items_stand_in_for_local_items_in_prefill_step(client, referenc
     assert served.vision_index.tolist() == local.vision_index.tolist()
     for a, b in zip(served.deepstack, local.deepstack, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_chat_messages_are_encoded_in_order_with_their_own_keys(server, reference, media_dir):
+    """A `messages` body, OpenAI and Qwen part forms mixed, text ignored, qwen-vl-utils keys
+    applied per item: the same items as the library makes of the same messages."""
+    from mmferry.chat.media import build_item
+    from mmferry.chat.parts import parse_messages
+
+    proc, enc = reference
+    img0 = (media_dir / "img0.png").read_bytes()
+    clip = _data(sample_video().read_bytes(), "video/mp4")
+    messages = [
+        {"role": "system", "content": "You describe what you see."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is here?"},
+                {"type": "image_url", "image_url": {"url": _data(img0)}},
+                {"type": "video", "video": clip, "nframes": 12},
+                {"type": "image", "image": str(media_dir / "img1.png")},
+            ],
+        },
+        {"role": "assistant", "content": "Noise, a clip and more noise."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "And this one, stretched?"},
+                {
+                    "type": "image",
+                    "path": str(media_dir / "img2.png"),
+                    "resized_height": 40,
+                    "resized_width": 160,
+                },
+                {"type": "video_url", "video_url": {"url": clip}, "fps": 1.0},
+            ],
+        },
+    ]
+    r = _post(server.url, {"messages": messages})
+    assert r.status_code == 200, r.text
+    got = from_bytes(r.content)
+    items = [build_item(proc, p, "compact-u8", {}) for p in parse_messages(messages).media]
+    assert [it.modality for it in items] == ["image", "video", "image", "image", "video"]
+    with torch.inference_mode():
+        outs = enc(items)
+    _check_equal(got, items, outs)
+    # The per-item keys took effect: sizes and frame counts differ from the plain items.
+    plain_video = proc.video(str(sample_video()), "compact-u8")
+    assert got[1].grid_thw[0] == 6 != plain_video.grid_thw[0]  # 12 frames: 6 temporal patches
+    assert got[3].grid_thw != proc.image(str(media_dir / "img2.png"), "compact-u8").grid_thw
+    assert got[4].grid_thw != plain_video.grid_thw
+
+
+def test_bare_parts_take_qwen_forms_and_keys_too(client, reference, media_dir):
+    proc, enc = reference
+    part = {"type": "image", "url": (media_dir / "img2.png").as_uri()}
+    keyed = {**image_part((media_dir / "img2.png").read_bytes(), "image/png")}
+    keyed.update(resized_height=40, resized_width=160)
+    plain, stretched = client.encode([part, keyed])
+    assert plain.hash == proc.image(str(media_dir / "img2.png"), "compact-u8").hash
+    assert stretched.grid_thw != plain.grid_thw
+
+
+def test_a_raw_http_client_opens_shm_answers_with_open_handle(server, media_dir):
+    body = {"content": [{"type": "image", "image": str(media_dir / "img0.png")}]}
+    r = _post(server.url, {**body, "response": "shm"})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
+    (doc,) = r.json()["items"]
+    embeds = open_handle(doc["embeds"])
+    deepstack = [open_handle(h) for h in doc["deepstack"]]
+    (want,) = from_bytes(_post(server.url, body).content)
+    assert (doc["modality"], tuple(doc["grid_thw"]), doc["hash"]) == (
+        want.modality,
+        want.grid_thw,
+        want.hash,
+    )
+    assert torch.equal(embeds, want.embeds)
+    assert all(torch.equal(a, b) for a, b in zip(deepstack, want.deepstack, strict=True))
+
+
+def test_the_readme_curl_body_is_accepted(server, media_dir):
+    """The README's curl example: its headers, and its body with the path made one of ours."""
+    import json
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    command = re.search(r"curl -s (.*?)'\n  ```", readme, re.S).group(1)
+    assert "-H 'Content-Type: application/json'" in command
+    body = json.loads(command.split(" -d '", 1)[1])
+    text = json.dumps(body).replace("/data/media/cat.jpg", str(media_dir / "img0.png"))
+    r = _post(server.url, content=text.encode())
+    assert r.status_code == 200, r.text
+    (item,) = from_bytes(r.content)
+    assert item.modality == "image" and item.num_tokens > 0
