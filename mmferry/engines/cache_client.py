@@ -48,9 +48,9 @@ class CacheClient:
             from safetensors.torch import load
 
             return load(r.content)
-        from mmferry.server.client import _handle
+        from mmferry.server.client import open_handle
 
-        return {h: _handle(doc) for h, doc in r.json()["items"].items()}
+        return {h: open_handle(doc) for h, doc in r.json()["items"].items()}
 
     def close(self) -> None:
         self._http.close()

@@ -21,7 +21,6 @@ Bodies:
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -147,19 +146,11 @@ def facts(item: Any) -> dict[str, Any]:
 async def encode_items(service: Any, body: Any, local: bool) -> tuple[list[Any], list[Any]]:
     """The parts of a /v1/encode body, preprocessed and encoded through the service's batcher
     and cache: (items, outputs), with no response built (the rows stay in the service)."""
-    from mmferry.server.sources import parse_request
-
-    parts, options = parse_request(body, service.config.limits)
-    options.pop("response", None)
-    layout, _, _ = service._options(options, local)
-    loop = asyncio.get_running_loop()
-    items = await asyncio.gather(
-        *(
-            loop.run_in_executor(service._pool, service._prepare, modality, url, i, layout)
-            for i, (modality, url) in enumerate(parts)
-        )
-    )
-    return list(items), await service.batcher.encode(items)
+    if isinstance(body, dict):
+        # The rows stay here (the connector loads them), so the answer's form is not asked.
+        body = {k: v for k, v in body.items() if k != "response"}
+    items, _, _ = await service.prepare(body, local=local)
+    return items, await service.batcher.encode(items)
 
 
 def add_cache_routes(app: Any, service: Any, state: Any) -> None:
@@ -167,7 +158,7 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
     import fastapi
     from fastapi.responses import JSONResponse, Response
 
-    from mmferry.server.service import DTYPES, _handle_json
+    from mmferry.server.service import DTYPES
 
     cfg = service.config
     pins = Pins(service.cache, max_bytes=cfg.cache_bytes)
@@ -186,7 +177,9 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
             raise RequestError(401, "unauthorized", "missing or wrong API key")
         if state.draining:
             raise RequestError(503, "draining", "the server is shutting down")
-        raw = await read_body(request, cfg.limits.max_request_bytes)
+        raw = await read_body(
+            request, cfg.limits.max_request_bytes, cfg.body_timeout_s, state.cut_reads
+        )
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -208,7 +201,7 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
                 raise RequestError(422, "bad_request", f"dtype must be one of {tuple(DTYPES)}")
             shm = body.get("response", "safetensors") == "shm"
             local = request.client is not None and request.client.host in LOCAL_HOSTS
-            if shm and (service._arena is None or not local):
+            if shm and not service.can_share(local):
                 raise RequestError(422, "bad_request", "shm responses need a same-host client")
             try:
                 outs = pins.take_all(hashes)
@@ -220,24 +213,23 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
         rows = {h: packed(out, DTYPES[dtype_name]) for h, out in outs.items()}
         if shm:
             # NOTE: the service's arena, with its TTL for handles nobody opens.
-            now = time.monotonic()
-            handles = {h: service._arena.put(t) for h, t in rows.items()}
-            for h in handles.values():
-                if h.inline is None:
-                    service._handles.append((now + cfg.shm_ttl_s, h))
-            return {"items": {k: _handle_json(h) for k, h in handles.items()}}
+            return {"items": {h: service.share(t) for h, t in rows.items()}}
         from safetensors.torch import save
 
         return Response(save(rows), media_type="application/vnd.mmferry.safetensors")
 
     async def encode(request: Any) -> Any:
-        # The same admission as /v1/encode: this route encodes too, so it shares the queue.
+        try:
+            body = await admitted(request)
+        except RequestError as e:
+            return refused(e)
+        # The same admission as /v1/encode, after the body is in (a slow upload holds no
+        # slot): this route encodes too, so it shares the queue.
         if state.in_flight >= cfg.max_queue:
             msg = f"the queue is full ({cfg.max_queue} requests, --max-queue); retry later"
             return refused(RequestError(503, "queue_full", msg))
         state.in_flight += 1
         try:
-            body = await admitted(request)
             local = request.client is not None and request.client.host in LOCAL_HOSTS
             items, outs = await encode_items(service, body, local)
         except RequestError as e:

@@ -190,8 +190,11 @@ class EncoderService:
         self.metrics.stage_seconds.labels("preprocess").observe(time.perf_counter() - t1)
         return item
 
-    async def handle(self, body: Any, *, local: bool) -> EncodeResult:
-        """Encode every part of one request; RequestError for anything refused."""
+    async def prepare(
+        self, body: Any, *, local: bool
+    ) -> tuple[list[MultimodalItem], torch.dtype, str]:
+        """A request's items, preprocessed (fetches in their slots, the rest on the pool), with
+        the answer's dtype and form; RequestError for anything refused."""
         parts, options = parse_request(body, self._policy)
         layout, dtype, response = self._options(options, local)
         tasks = [asyncio.ensure_future(self._prepare(part, layout)) for part in parts]
@@ -202,6 +205,11 @@ class EncoderService:
             for t in tasks:
                 t.cancel()
             raise
+        return list(items), dtype, response
+
+    async def handle(self, body: Any, *, local: bool) -> EncodeResult:
+        """Encode every part of one request; RequestError for anything refused."""
+        items, dtype, response = await self.prepare(body, local=local)
         outs = await self.batcher.encode(items)
         with self.metrics.stage("respond"):
             encoded = [EncodedItem.of(it, out, dtype=dtype) for it, out in zip(items, outs)]
@@ -209,22 +217,30 @@ class EncoderService:
                 return EncodeResult(encoded, self._shm_body(encoded))
             return EncodeResult(encoded, to_bytes(encoded))
 
-    def _shm_body(self, encoded: list[EncodedItem]) -> dict[str, Any]:
+    def can_share(self, local: bool) -> bool:
+        """Whether answers in shared memory can go to this client (same host, arena on)."""
+        return self._arena is not None and local
+
+    def share(self, tensor: torch.Tensor) -> dict[str, Any]:
+        """`tensor` in the service's arena, as the JSON of its handle; a handle nobody opens
+        within `shm_ttl_s` is cancelled."""
         arena = self._arena
         now = time.monotonic()
         while self._handles and self._handles[0][0] < now:
             arena.cancel(self._handles.popleft()[1])
+        handle = arena.put(tensor)
+        if handle.inline is not None and handle.nbytes:
+            self.metrics.pool_fallbacks.inc()
+        else:
+            self._handles.append((now + self.config.shm_ttl_s, handle))
+        return _handle_json(handle)
+
+    def _shm_body(self, encoded: list[EncodedItem]) -> dict[str, Any]:
         docs = []
         for it in encoded:
-            handles = [arena.put(t) for t in (it.embeds, *it.deepstack)]
-            for h in handles:
-                if h.inline is not None and h.nbytes:
-                    self.metrics.pool_fallbacks.inc()
-                else:
-                    self._handles.append((now + self.config.shm_ttl_s, h))
             doc = it.facts()
-            doc["embeds"] = _handle_json(handles[0])
-            doc["deepstack"] = [_handle_json(h) for h in handles[1:]]
+            doc["embeds"] = self.share(it.embeds)
+            doc["deepstack"] = [self.share(t) for t in it.deepstack]
             docs.append(doc)
         return {"items": docs}
 
