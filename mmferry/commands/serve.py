@@ -110,6 +110,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="one remote fetch in all, waiting for a slot included; 504 past it",
     )
     p.add_argument(
+        "--preprocess-threads",
+        type=int,
+        metavar="N",
+        help="parts preprocessed at once, across requests (default: MMFERRY_PREPROCESS_THREADS, "
+        "else this machine's cores)",
+    )
+    p.add_argument(
         "--fetch-concurrency",
         type=int,
         default=d.fetch_concurrency,
@@ -170,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
             drain_timeout_s=args.drain_timeout,
             body_timeout_s=args.body_timeout,
             fetch_concurrency=args.fetch_concurrency,
+            preprocess_threads=args.preprocess_threads,
         )
     except ValueError as e:  # a bad option value: one line, argparse's status
         print(f"mmferry serve: {e}", file=sys.stderr)

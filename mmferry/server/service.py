@@ -26,6 +26,7 @@ from mmferry.chat.parts import MediaPart, PartError, read_part
 from mmferry.embed.cache import EncoderCache
 from mmferry.encoder.model import VisionEncoder, VisionOutput
 from mmferry.items import LAYOUTS, MultimodalItem
+from mmferry.preprocess.batch import batch_threads
 from mmferry.processor import Processor
 from mmferry.server.batching import Batcher
 from mmferry.server.encoded import EncodedItem, to_bytes
@@ -50,13 +51,17 @@ class ServiceConfig:
     cache_bytes: int = 512 << 20
     shm_bytes: int = 256 << 20  # 0: no shared-memory responses
     shm_ttl_s: float = 60.0  # handles nobody opened within this are cancelled
-    preprocess_threads: int = 2
+    # Parts preprocessed at once, across requests (None: this machine's cores, as the batch API).
+    preprocess_threads: int | None = None
     fetch_concurrency: int = 8  # remote fetches at once, beside the preprocessing threads
     api_key: str | None = None
     drain_timeout_s: float = 30.0  # SIGTERM to exit, however many requests are still open
     body_timeout_s: float = 30.0  # a request body must arrive in full within this (408)
 
     def __post_init__(self) -> None:
+        if self.preprocess_threads is None:
+            # NOTE: frozen: the resolved default is written once, here.
+            object.__setattr__(self, "preprocess_threads", batch_threads(None))
         for name in ("max_queue", "preprocess_threads", "fetch_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import os
 import re
 
 import httpx
@@ -366,3 +367,15 @@ def test_the_readme_curl_body_is_accepted(server, media_dir):
     assert r.status_code == 200, r.text
     (item,) = from_bytes(r.content)
     assert item.modality == "image" and item.num_tokens > 0
+
+
+def test_preprocessing_threads_default_to_the_cores(monkeypatch):
+    from mmferry.server.service import ServiceConfig
+
+    monkeypatch.delenv("MMFERRY_PREPROCESS_THREADS", raising=False)
+    assert ServiceConfig().preprocess_threads == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("MMFERRY_PREPROCESS_THREADS", "3")
+    assert ServiceConfig().preprocess_threads == 3
+    assert ServiceConfig(preprocess_threads=1).preprocess_threads == 1
+    with pytest.raises(ValueError, match="preprocess_threads"):
+        ServiceConfig(preprocess_threads=0)
