@@ -10,14 +10,13 @@ as status 499, kind client_disconnect.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from mmferry.server.bodies import LOCAL_HOSTS, api_key, read_body
+from mmferry.server.bodies import LOCAL_HOSTS, check_caller, read_body
 from mmferry.server.ec import add_cache_routes
 from mmferry.server.limits import RequestError, shown
 from mmferry.server.service import EncoderService
@@ -127,12 +126,7 @@ def create_app(service: EncoderService, state: AppState | None = None) -> Any:
 
     async def admit(request: Any) -> Any:
         """The parsed JSON body of a request that may run now; RequestError otherwise."""
-        if cfg.api_key is not None and not hmac.compare_digest(
-            api_key(request.headers).encode(), cfg.api_key.encode()
-        ):
-            raise RequestError(401, "unauthorized", "missing or wrong API key")
-        if state.draining:
-            raise RequestError(503, "draining", "the server is shutting down")
+        check_caller(request.headers, cfg.api_key, state.draining)
         with metrics.stage("read"):
             _check_json_type(request.headers.get("content-type", ""))
             state.reading += 1

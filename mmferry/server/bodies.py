@@ -6,6 +6,7 @@ Shared by the encode route (`app.py`) and the encoder-cache routes (`ec.py`).
 from __future__ import annotations
 
 import asyncio
+import hmac
 from typing import Any
 
 from mmferry.server.limits import RequestError, too_large
@@ -20,6 +21,16 @@ def api_key(headers: Any) -> str:
     if auth.lower().startswith("bearer "):
         return auth[7:].strip()
     return headers.get("x-api-key", "")
+
+
+def check_caller(headers: Any, expected_key: str | None, draining: bool) -> None:
+    """401 for a wrong or missing API key (compared in constant time), 503 while draining."""
+    if expected_key is not None and not hmac.compare_digest(
+        api_key(headers).encode(), expected_key.encode()
+    ):
+        raise RequestError(401, "unauthorized", "missing or wrong API key")
+    if draining:
+        raise RequestError(503, "draining", "the server is shutting down")
 
 
 async def _collect(request: Any, limit: int) -> bytes:

@@ -21,7 +21,6 @@ Bodies:
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -32,7 +31,7 @@ import torch
 
 from mmferry.embed.cache import EncoderCache
 from mmferry.encoder.model import VisionOutput
-from mmferry.server.bodies import LOCAL_HOSTS, api_key, read_body
+from mmferry.server.bodies import LOCAL_HOSTS, check_caller, read_body
 from mmferry.server.limits import RequestError
 
 log = logging.getLogger("mmferry.server")
@@ -171,12 +170,7 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
 
     async def admitted(request: Any) -> Any:
         """The JSON body, after the same API-key and size checks as /v1/encode."""
-        if cfg.api_key is not None and not hmac.compare_digest(
-            api_key(request.headers).encode(), cfg.api_key.encode()
-        ):
-            raise RequestError(401, "unauthorized", "missing or wrong API key")
-        if state.draining:
-            raise RequestError(503, "draining", "the server is shutting down")
+        check_caller(request.headers, cfg.api_key, state.draining)
         raw = await read_body(
             request, cfg.limits.max_request_bytes, cfg.body_timeout_s, state.cut_reads
         )
