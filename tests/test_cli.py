@@ -177,3 +177,12 @@ def test_old_image_max_pixels_is_the_image_budget_alone():
     cfg = mf.Processor.for_model("qwen2-vl", **options).config
     default = mf.Processor.for_model("qwen2-vl").config
     assert cfg.image_max_pixels == 65536 and cfg.video_max_pixels == default.video_max_pixels
+
+
+def test_depth_zero_is_a_mistake_not_the_full_tower(tmp_path, capsys):
+    from PIL import Image
+
+    Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
+    argv = ["encode", str(tmp_path / "a.png"), "--out", str(tmp_path / "o.st"), "--depth", "0"]
+    _one_line_error(capsys, argv, "--depth must be at least 1")
+    assert not (tmp_path / "o.st").exists()

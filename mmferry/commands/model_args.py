@@ -168,8 +168,11 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
             raise load_error(args.model, e) from None
         return proc, enc
     cfg = spec_for(args.random).random_config
-    if args.depth:
-        cfg = shallow(cfg, args.depth)
+    if args.depth is not None:
+        try:
+            cfg = shallow(cfg, args.depth)
+        except ValueError as e:  # --depth 0 is a mistake, not "all layers"
+            raise UsageError(str(e)) from None
     enc = mf.VisionEncoder.random(config=cfg, device=args.device, dtype=dtype)
     return proc, enc
 
