@@ -208,6 +208,9 @@ def _upright(im: Image.Image) -> Image.Image:
 def _to_rgb(im: Image.Image) -> Image.Image:
     if im.mode == "RGB":
         return im
+    if im.mode in ("La", "RGBa"):
+        # Premultiplied alpha: Pillow converts these only to their straight-alpha mode.
+        im = im.convert(im.mode[:-1] + "A")
     if "A" in im.getbands() or im.info.get("transparency") is not None:
         rgba = im.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from mmferry.models import preset
+from mmferry.preprocess.decode import decode_image
 from mmferry.preprocess.image import process_image
 from tests.preprocess import exif
 
@@ -120,3 +121,18 @@ def test_flipped_arrays_equal_their_contiguous_copies(flipped):
     # The same pixels as a CHW tensor (torch has no negative strides: a flip is a copy).
     chw = torch.from_numpy(plain).permute(2, 0, 1)
     assert torch.equal(process_image(chw, cfg, layout="hf").feature, want.feature)
+
+
+@pytest.mark.parametrize("mode", ["La", "RGBa"])
+def test_premultiplied_alpha_modes_composite_on_white(mode):
+    """Pillow converts La / RGBa only to LA / RGBA; the result is that image on white."""
+    rng = np.random.default_rng(5)
+    straight = "LA" if mode == "La" else "RGBA"
+    bands = len(straight)
+    pixels = rng.integers(0, 256, (20, 30, bands), dtype=np.uint8)
+    im = Image.fromarray(pixels, straight).convert(mode)
+    got = decode_image(im, 1 << 24).pixels.permute(1, 2, 0).numpy()
+    rgba = np.asarray(im.convert(straight).convert("RGBA")).astype(np.float64)
+    alpha = rgba[..., 3:] / 255
+    want = rgba[..., :3] * alpha + 255 * (1 - alpha)
+    assert np.abs(got.astype(np.float64) - want).max() <= 1
