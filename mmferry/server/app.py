@@ -10,13 +10,12 @@ as status 499, kind client_disconnect.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from mmferry.server.bodies import LOCAL_HOSTS, check_caller, read_body
+from mmferry.server.bodies import LOCAL_HOSTS, check_caller, parse_json, read_body
 from mmferry.server.ec import add_cache_routes
 from mmferry.server.limits import RequestError, shown
 from mmferry.server.service import EncoderService
@@ -62,19 +61,6 @@ def _check_json_type(content_type: str) -> None:
             "content_type",
             f"send application/json in UTF-8, not {shown(content_type or '(none)')}",
         )
-
-
-def _parse_json(raw: bytes) -> Any:
-    """The JSON body; 400 for anything json cannot turn into Python values."""
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        raise RequestError(400, "bad_json", "the JSON body is nested too deeply") from None
-    # ValueError covers bad syntax, bad UTF-8 and integers past Python's digit limit.
-    except ValueError as e:
-        raise RequestError(
-            400, "bad_json", f"the body is not valid JSON ({str(e)[:200]})"
-        ) from None
 
 
 def create_app(service: EncoderService, state: AppState | None = None) -> Any:
@@ -139,7 +125,7 @@ def create_app(service: EncoderService, state: AppState | None = None) -> Any:
         # NOTE: no await from here to the in_flight increment, so the drain never sees a
         # request that is neither reading nor in flight. A body that began arriving before
         # the drain is admitted, as the drain lets admitted requests finish.
-        body = _parse_json(raw)
+        body = parse_json(raw)
         if state.in_flight >= cfg.max_queue:
             msg = f"the queue is full ({cfg.max_queue} requests, --max-queue); retry later"
             raise RequestError(503, "queue_full", msg)

@@ -1,4 +1,5 @@
-"""Reading a request before it is admitted: the client's API key and the body, with deadlines.
+"""Reading a request before it is admitted: the client's API key, the body with its deadlines,
+and the JSON in it.
 
 Shared by the encode route (`app.py`) and the encoder-cache routes (`ec.py`).
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 from typing import Any
 
 from mmferry.server.limits import RequestError, too_large
@@ -69,3 +71,16 @@ async def read_body(request: Any, limit: int, timeout_s: float, cut: asyncio.Eve
         "body_timeout",
         f"the request body did not arrive within body_timeout_s={timeout_s:g} (--body-timeout)",
     )
+
+
+def parse_json(raw: bytes) -> Any:
+    """The JSON body; 400 for anything json cannot turn into Python values."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise RequestError(400, "bad_json", "the JSON body is nested too deeply") from None
+    # ValueError covers bad syntax, bad UTF-8 and integers past Python's digit limit.
+    except ValueError as e:
+        raise RequestError(
+            400, "bad_json", f"the body is not valid JSON ({str(e)[:200]})"
+        ) from None

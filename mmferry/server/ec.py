@@ -21,7 +21,6 @@ Bodies:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -31,7 +30,7 @@ import torch
 
 from mmferry.embed.cache import EncoderCache
 from mmferry.encoder.model import VisionOutput
-from mmferry.server.bodies import LOCAL_HOSTS, check_caller, read_body
+from mmferry.server.bodies import LOCAL_HOSTS, check_caller, parse_json, read_body
 from mmferry.server.limits import RequestError
 
 log = logging.getLogger("mmferry.server")
@@ -174,10 +173,7 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
         raw = await read_body(
             request, cfg.limits.max_request_bytes, cfg.body_timeout_s, state.cut_reads
         )
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(400, "bad_json", f"the body is not valid JSON ({e})") from None
+        return parse_json(raw)
 
     async def lookup(request: Any) -> Any:
         try:

@@ -102,3 +102,18 @@ def test_cache_routes_ask_for_the_api_key(models):
         client.close()
     finally:
         s.stop()
+
+
+def test_cache_routes_refuse_hostile_json_with_a_400(service):
+    """The cache routes parse bodies as /v1/encode does: deep nesting and a 5,000-digit
+    integer are a 400, not a 500."""
+    for raw in (b"[" * 100_000, b'{"hashes": [' + b"9" * 5000 + b"]}"):
+        for route in ("lookup", "load", "encode"):
+            r = httpx.post(
+                f"{service.url}/v1/cache/{route}",
+                content=raw,
+                headers={"content-type": "application/json"},
+                timeout=60,
+            )
+            assert r.status_code == 400, (route, r.status_code, r.text[:200])
+            assert r.json()["error"]["kind"] == "bad_json"
