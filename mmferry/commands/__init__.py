@@ -26,6 +26,17 @@ def short(text: object, limit: int = QUOTE_LIMIT) -> str:
     return s if len(s) <= limit and s.isprintable() else quoted(s, limit)
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count of at least 1 (threads, items)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {quoted(text, 40)}")
+    return value
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, except where there is none to show."""
 

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
-from mmferry.commands import UsageError, short
+from mmferry.commands import UsageError, positive_int, short
 from mmferry.commands.model_args import add_model_args, build
 from mmferry.commands.outfile import OutputError, check_target, write_atomic
 
@@ -52,20 +52,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--threads",
-        type=_positive,
+        type=positive_int,
         help="preprocessing threads: inputs run in parallel, large ones split their own work "
         "(default: MMFERRY_PREPROCESS_THREADS, else this machine's cores)",
     )
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text[:40]!r}")
-    return value
 
 
 def expand_inputs(inputs: list[str]) -> tuple[list[Path], list[tuple[str, str]]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mmferry.commands import quoted
+from mmferry.commands import positive_int, quoted
 from mmferry.commands.model_args import add_model_args, build
 
 
@@ -111,7 +111,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--preprocess-threads",
-        type=int,
+        type=positive_int,
         metavar="N",
         help="parts preprocessed at once, across requests (default: MMFERRY_PREPROCESS_THREADS, "
         "else this machine's cores)",
