@@ -65,7 +65,6 @@ def test_folder_with_one_corrupt_image(tmp_path):
     (media / "notes.txt").write_text("not media; folders skip unknown suffixes")
     out = tmp_path / "out" / "emb.safetensors"
     args = [str(media), "--out", str(out), "--depth", "1", "--image-max-pixels", str(MAX_PIXELS)]
-    args += ["--threads", "2"]  # inputs preprocessed in parallel, results in input order
     p = _encode(args, tmp_path)
     stdout, stderr = p.communicate(timeout=300)
     assert p.returncode == 1, stderr  # some failed, the rest written
@@ -258,14 +257,10 @@ class _Failing:
         self.proc, self.enc, self.bad_hash = proc, enc, bad_hash
         self.calls: list[int] = []
 
-    def items(self, parts, **kwargs):
-        """The batch API with partial results; poison.png fails as no refusal would."""
-        from mmferry.preprocess.batch import ItemError
-
-        poisoned = [Path(p.source).name == "poison.png" for p in parts]
-        good = iter(self.proc.items([p for p, bad in zip(parts, poisoned) if not bad], **kwargs))
-        error = struct.error("unpack requires a buffer of 4 bytes")  # not a ValueError
-        return [ItemError(i, error) if bad else next(good) for i, bad in enumerate(poisoned)]
+    def image(self, source: str, layout: str):
+        if Path(source).name == "poison.png":
+            raise struct.error("unpack requires a buffer of 4 bytes")  # not a ValueError
+        return self.proc.image(source, layout=layout)
 
     def __call__(self, items):
         self.calls.append(len(items))

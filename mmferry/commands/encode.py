@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
-from mmferry.commands import UsageError, positive_int, short
+from mmferry.commands import UsageError, short
 from mmferry.commands.model_args import add_model_args, build
 from mmferry.commands.outfile import OutputError, check_target, write_atomic
 
@@ -49,12 +49,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--batch-patches", type=int, default=16384, help="patch budget of one encoder call"
-    )
-    p.add_argument(
-        "--threads",
-        type=positive_int,
-        help="preprocessing threads: inputs run in parallel, large ones split their own work "
-        "(default: MMFERRY_PREPROCESS_THREADS, else this machine's cores)",
     )
 
 
@@ -189,7 +183,7 @@ def _run(args: argparse.Namespace, written: list[Path]) -> int:
     print(f"mmferry encode: {len(files)} inputs with {enc!r}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     bar = Progress(len(files))
-    prepared = _prepare(proc, files, args.layout, args.threads, failed, bar)
+    prepared = _prepare(proc, files, args.layout, failed, bar)
     encoded = _encode_all(enc, prepared, max(args.batch_patches, 1), failed, bar)
     bar.close()
     for src, why in failed:
@@ -217,34 +211,20 @@ def _run(args: argparse.Namespace, written: list[Path]) -> int:
     return 1 if failed else 0
 
 
-# Inputs preprocessed per batch call: enough to keep every thread busy (largest first inside a
-# chunk), few enough that the progress bar moves.
-CHUNK = 32
-
-
-def _prepare(
-    proc, files: list[Path], layout: str, threads: int | None, failed: list, bar: Progress
-) -> list:
-    """(path, item) for each input that preprocesses, in parallel; (path, why) in `failed` for
-    the rest."""
-    from mmferry.preprocess.batch import ImagePart, ItemError, VideoPart
-
+def _prepare(proc, files: list[Path], layout: str, failed: list, bar: Progress) -> list:
+    """(path, item) for each input that preprocesses; (path, why) in `failed` for the rest."""
     prepared = []
-    for start in range(0, len(files), CHUNK):
-        chunk = files[start : start + CHUNK]
-        parts = [
-            VideoPart(str(p)) if p.suffix.lower() in VIDEO_SUFFIXES else ImagePart(str(p))
-            for p in chunk
-        ]
-        for path, item in zip(
-            chunk, proc.items(parts, layout=layout, threads=threads, partial=True)
-        ):
-            if isinstance(item, ItemError):
-                # NOTE: any failure of one input (not only a refusal) skips that input.
-                failed.append((short(path), _why(item.error)))
-                bar.update(1, 0)
+    for path in files:
+        try:
+            if path.suffix.lower() in VIDEO_SUFFIXES:
+                item = proc.video(str(path), layout=layout)
             else:
-                prepared.append((path, item))
+                item = proc.image(str(path), layout=layout)
+        except Exception as e:  # noqa: BLE001 - any failure of one input skips that input
+            failed.append((short(path), _why(e)))
+            bar.update(1, 0)
+            continue
+        prepared.append((path, item))
     return prepared
 
 
