@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from mmferry.server.bodies import LOCAL_HOSTS, check_caller, parse_json, read_body
+from mmferry.server.bodies import LOCAL_HOSTS, check_caller, linger, parse_json, read_body
 from mmferry.server.ec import add_cache_routes
 from mmferry.server.limits import RequestError, shown
 from mmferry.server.service import EncoderService
@@ -135,8 +135,12 @@ def create_app(service: EncoderService, state: AppState | None = None) -> Any:
         try:
             body = await admit(request)
         except RequestError as e:
-            # A refusal before the whole body is in leaves bytes on the connection: close it.
-            return refuse(e, close=e.kind not in ("bad_json", "queue_full"))
+            # A refusal before the whole body is in leaves bytes on the connection: close it,
+            # after reading what the client is still sending, briefly.
+            close = e.kind not in ("bad_json", "queue_full")
+            if close:
+                await linger(request)
+            return refuse(e, close=close)
         except ClientDisconnect:
             # The client hung up mid-upload: its own doing, not a server fault (nginx's 499).
             metrics.errors.labels("client_disconnect").inc()

@@ -7,6 +7,7 @@ Shared by the encode route (`app.py`) and the encoder-cache routes (`ec.py`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 from typing import Any
@@ -84,3 +85,24 @@ def parse_json(raw: bytes) -> Any:
         raise RequestError(
             400, "bad_json", f"the body is not valid JSON ({str(e)[:200]})"
         ) from None
+
+
+async def linger(request: Any, limit: int = 1 << 20, timeout_s: float = 1.0) -> None:
+    """Read and drop what the client is still sending (at most `limit` bytes, `timeout_s`)
+    before a refusal closes the connection."""
+    # NOTE: closing a socket with unread bytes makes the kernel reset the connection, and the
+    # reset can destroy the refusal before the client reads it (as nginx's lingering close).
+
+    async def drain() -> None:
+        seen = 0
+        while seen <= limit:
+            message = await request.receive()
+            if message.get("type") != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body"):
+                return
+
+    # Best effort: the refusal goes out either way.
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(drain(), timeout_s)
