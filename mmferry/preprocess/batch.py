@@ -174,10 +174,6 @@ class _Schedule:
             # share each, and the shares of the running items add up to at most `threads`.
             return index, max(1, self._threads // unfinished)
 
-    def stop(self) -> None:
-        """Start nothing more; items already running finish."""
-        self.stopped = True
-
     def done(self, failed: bool) -> None:
         with self._lock:
             self._running -= 1
@@ -215,7 +211,7 @@ def run_jobs(
                 results[index] = e
             except BaseException as e:  # KeyboardInterrupt, SystemExit: the whole batch stops
                 fatal.append(e)
-                schedule.stop()
+                schedule.stopped = True
             finally:
                 schedule.done(failed)
 
@@ -223,7 +219,7 @@ def run_jobs(
     # The items in flight at once hold their buffers together: the cache keeps that many.
     known = sorted((s for s in sizes if s is not None), reverse=True)
     with ensure_host_cache(sum(known[:workers])):
-        _run_workers(worker, workers, schedule.stop)
+        _run_workers(worker, workers)
     if fatal:
         raise fatal[0]
     return results
@@ -281,27 +277,16 @@ def process_batch(
     return results  # type: ignore[return-value]
 
 
-def _run_workers(worker: Callable[[], None], count: int, stop: Callable[[], None]) -> None:
-    """`worker` on `count` threads; returns when all end.
-
-    NOTE: the calling thread only waits. Signals reach Python in the main thread, so an
-    interrupt (Ctrl-C, SIGTERM raised as one) lands in this wait, never inside an item's
-    native code: `stop` is called, the workers finish their item, and the interrupt is raised
-    then. A worker left running in native code while the interpreter exits aborts the process.
-    """
+def _run_workers(worker: Callable[[], None], count: int) -> None:
+    """`worker` on `count` threads, the calling thread one of them; returns when all end."""
     threads = [
         threading.Thread(target=worker, name=f"mmferry-batch-{k}", daemon=True)
-        for k in range(count)
+        for k in range(count - 1)
     ]
-    interrupt: BaseException | None = None
     for t in threads:
         t.start()
-    for t in threads:
-        while t.is_alive():
-            try:
-                t.join()
-            except BaseException as e:
-                interrupt = interrupt or e
-                stop()
-    if interrupt is not None:
-        raise interrupt
+    try:
+        worker()
+    finally:
+        for t in threads:
+            t.join()
