@@ -14,21 +14,23 @@ from __future__ import annotations
 
 import argparse
 import glob
-import signal
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
-from mmferry.commands import UsageError, short
+from mmferry.commands import UsageError, positive_int, short
+from mmferry.commands.interrupts import raised_interrupts
 from mmferry.commands.model_args import add_model_args, build
 from mmferry.commands.outfile import OutputError, check_target, write_atomic
 
 IMAGE_SUFFIXES = frozenset([".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"])
 VIDEO_SUFFIXES = frozenset([".mp4", ".mkv", ".webm", ".mov", ".avi", ".m4v"])
 SUFFIXES = IMAGE_SUFFIXES | VIDEO_SUFFIXES
+# Inputs preprocessed per batch call, then encoded: enough to keep every thread busy (largest
+# first inside a chunk), few enough that the progress bar moves and memory holds one chunk.
+CHUNK = 32
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +51,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--batch-patches", type=int, default=16384, help="patch budget of one encoder call"
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        help="preprocessing threads: inputs run in parallel, large ones split their own work "
+        "(default: MMFERRY_PREPROCESS_THREADS, else this machine's cores)",
     )
 
 
@@ -110,20 +118,6 @@ class Progress:
             self.stream.write("\n")
 
 
-@contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt, so cleanup runs as it does for Ctrl-C."""
-
-    def raise_interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, raise_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _batches(items: list, budget: int) -> Iterator[list]:
     batch: list = []
     patches = 0
@@ -141,7 +135,7 @@ def _batches(items: list, budget: int) -> Iterator[list]:
 def run(args: argparse.Namespace) -> int:
     """Encode every input; write one safetensors file; say what failed."""
     written: list[Path] = []
-    with sigterm_interrupts():
+    with raised_interrupts():
         try:
             return _run(args, written)
         except KeyboardInterrupt:
@@ -183,8 +177,14 @@ def _run(args: argparse.Namespace, written: list[Path]) -> int:
     print(f"mmferry encode: {len(files)} inputs with {enc!r}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     bar = Progress(len(files))
-    prepared = _prepare(proc, files, args.layout, failed, bar)
-    encoded = _encode_all(enc, prepared, max(args.batch_patches, 1), failed, bar)
+    encoded: list = []
+    done: dict[str, object] = {}  # encoder output by item hash: a repeat is encoded once
+    # Chunk by chunk: only one chunk's pixel rows are held at a time, however many inputs.
+    for start in range(0, len(files), CHUNK):
+        prepared = _prepare(
+            proc, files[start : start + CHUNK], args.layout, args.threads, failed, bar
+        )
+        encoded += _encode_all(enc, prepared, max(args.batch_patches, 1), failed, bar, done)
     bar.close()
     for src, why in failed:
         print(f"  FAILED {src}: {why}", file=sys.stderr)
@@ -211,29 +211,33 @@ def _run(args: argparse.Namespace, written: list[Path]) -> int:
     return 1 if failed else 0
 
 
-def _prepare(proc, files: list[Path], layout: str, failed: list, bar: Progress) -> list:
-    """(path, item) for each input that preprocesses; (path, why) in `failed` for the rest."""
+def _prepare(
+    proc, files: list[Path], layout: str, threads: int | None, failed: list, bar: Progress
+) -> list:
+    """(path, item) for each input that preprocesses, in parallel; (path, why) in `failed` for
+    the rest."""
+    from mmferry.preprocess.batch import ImagePart, ItemError, VideoPart
+
+    parts = [
+        VideoPart(str(p)) if p.suffix.lower() in VIDEO_SUFFIXES else ImagePart(str(p))
+        for p in files
+    ]
     prepared = []
-    for path in files:
-        try:
-            if path.suffix.lower() in VIDEO_SUFFIXES:
-                item = proc.video(str(path), layout=layout)
-            else:
-                item = proc.image(str(path), layout=layout)
-        except Exception as e:  # noqa: BLE001 - any failure of one input skips that input
-            failed.append((short(path), _why(e)))
+    for path, item in zip(files, proc.items(parts, layout=layout, threads=threads, partial=True)):
+        if isinstance(item, ItemError):
+            # NOTE: any failure of one input (not only a refusal) skips that input.
+            failed.append((short(path), _why(item.error)))
             bar.update(1, 0)
-            continue
-        prepared.append((path, item))
+        else:
+            prepared.append((path, item))
     return prepared
 
 
-def _encode_all(enc, prepared: list, budget: int, failed: list, bar: Progress) -> list:
+def _encode_all(enc, prepared: list, budget: int, failed: list, bar: Progress, done: dict) -> list:
     """The `EncodedItem`s of the prepared inputs, in order; (path, why) in `failed` for those
-    whose encode fails."""
+    whose encode fails. `done` holds the outputs met so far, by item hash."""
     from mmferry.server.encoded import EncodedItem
 
-    done: dict[str, object] = {}
     encoded: list[EncodedItem] = []
     for batch in _batches(prepared, budget):
         # Repeats (same hash) are encoded once.

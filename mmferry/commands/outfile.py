@@ -13,11 +13,11 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-import signal
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+from mmferry.commands.interrupts import Interrupted, recorded_interrupts
 
 # errno values that say the path given cannot be written (a mistake in the command line), as
 # opposed to a write that failed on a usable path (no space, quota, I/O error, file too large).
@@ -58,48 +58,10 @@ def check_target(out: Path) -> None:
         raise OutputError(f"cannot write {out}: {folder} is not writable", user=True)
 
 
-@contextmanager
-def recorded_interrupts() -> Iterator[list[int]]:
-    """SIGINT and SIGTERM appended to the yielded list instead of acted on, inside the block.
-
-    Main thread only (Python's signal handlers live there).
-    """
-    caught: list[int] = []
-
-    def record(signum: int, frame: object) -> None:
-        caught.append(signum)
-
-    previous_int = signal.getsignal(signal.SIGINT)
-    previous_term = signal.getsignal(signal.SIGTERM)
-    try:
-        signal.signal(signal.SIGINT, record)
-        signal.signal(signal.SIGTERM, record)
-        yield caught
-    finally:
-        # NOTE: once the first handler is back, its signal can raise before the second is: it
-        # is caught, both are put back (again), and only then is it raised. Before the first
-        # is back, both only record, so nothing can stop this block before its `try`.
-        interrupted: KeyboardInterrupt | None = None
-        while True:
-            try:
-                _restore(signal.SIGINT, previous_int)
-                _restore(signal.SIGTERM, previous_term)
-                break
-            except KeyboardInterrupt as e:
-                interrupted = e
-        if interrupted is not None:
-            raise interrupted
-
-
-def _restore(signum: int, handler: object) -> None:
-    if handler is not None:  # None: installed outside Python, cannot be put back from here
-        signal.signal(signum, handler)
-
-
 def write_atomic(out: Path, write: Callable[[BinaryIO], None], done: list[Path]) -> None:
     """Write `out` with `write(file)`, atomically and synced; `done` gets `out` at the rename.
 
-    KeyboardInterrupt (SIGINT, SIGTERM turned into it) before the rename: nothing is left and
+    `Interrupted` (SIGINT or SIGTERM) before the rename: nothing is left and
     `out` is as it was. OutputError when it cannot be written (nothing is left either).
     """
     out = out.resolve()
@@ -115,7 +77,7 @@ def write_atomic(out: Path, write: Callable[[BinaryIO], None], done: list[Path])
                     f.flush()
                     os.fsync(f.fileno())  # the bytes are on disk before the name points at them
                 if caught:
-                    raise KeyboardInterrupt
+                    raise Interrupted(caught[0])
                 os.replace(tmp, out)
                 done.append(out)
             except BaseException:

@@ -174,6 +174,10 @@ class _Schedule:
             # share each, and the shares of the running items add up to at most `threads`.
             return index, max(1, self._threads // unfinished)
 
+    def stop(self) -> None:
+        """Nothing more starts (an interrupt)."""
+        self.stopped = True
+
     def done(self, failed: bool) -> None:
         with self._lock:
             self._running -= 1
@@ -211,7 +215,7 @@ def run_jobs(
                 results[index] = e
             except BaseException as e:  # KeyboardInterrupt, SystemExit: the whole batch stops
                 fatal.append(e)
-                schedule.stopped = True
+                schedule.stop()
             finally:
                 schedule.done(failed)
 
@@ -219,7 +223,7 @@ def run_jobs(
     # The items in flight at once hold their buffers together: the cache keeps that many.
     known = sorted((s for s in sizes if s is not None), reverse=True)
     with ensure_host_cache(sum(known[:workers])):
-        _run_workers(worker, workers)
+        _run_workers(worker, workers, schedule.stop)
     if fatal:
         raise fatal[0]
     return results
@@ -277,16 +281,38 @@ def process_batch(
     return results  # type: ignore[return-value]
 
 
-def _run_workers(worker: Callable[[], None], count: int) -> None:
-    """`worker` on `count` threads, the calling thread one of them; returns when all end."""
-    threads = [
-        threading.Thread(target=worker, name=f"mmferry-batch-{k}", daemon=True)
-        for k in range(count - 1)
-    ]
-    for t in threads:
-        t.start()
+def _run_workers(worker: Callable[[], None], count: int, stop: Callable[[], None]) -> None:
+    """`worker` on `count` threads, the calling thread one of them; returns when all end.
+
+    An interrupt (Ctrl-C) in the calling thread calls `stop` and is raised only once every
+    worker has returned: the running items finish, nothing more starts. NOTE: a thread still in
+    native code (a torch op, a decode) when the interpreter exits is torn down mid-call, which
+    can abort the process."""
+    ended = [threading.Event() for _ in range(count - 1)]
+
+    def run(event: threading.Event) -> None:
+        try:
+            worker()
+        finally:
+            event.set()
+
+    for k, event in enumerate(ended):
+        threading.Thread(target=run, args=(event,), name=f"mmferry-batch-{k}", daemon=True).start()
+    interrupt: BaseException | None = None
     try:
         worker()
-    finally:
-        for t in threads:
-            t.join()
+    except BaseException as e:  # noqa: BLE001 - raised below, once the other workers returned
+        interrupt = e
+    # NOTE: not Thread.join: a join interrupted by a signal marks the thread ended while it
+    # still runs (CPython 3.11 releases the thread's lock on the way out), and the next join
+    # returns at once. An Event can be waited on again.
+    while ended:
+        try:
+            while ended:
+                ended[-1].wait()
+                ended.pop()
+        except BaseException as e:  # noqa: BLE001 - a signal during the wait: wait on
+            interrupt = interrupt or e
+            stop()
+    if interrupt is not None:
+        raise interrupt

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import threading
+import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -239,3 +242,39 @@ def test_batch_asks_the_cache_for_the_largest_items_in_flight(monkeypatch):
         )
         per_item.append(4 * h * w + 4 * rh * rw + 24 * rh * rw)
     assert asked == [sum(sorted(per_item)[-2:])]
+
+
+def test_an_interrupt_while_waiting_is_raised_once_every_item_ended():
+    """Ctrl-C while the calling thread waits on the others: the running item finishes, and
+    only then is the interrupt raised (a thread left in native code at interpreter exit can
+    abort the process)."""
+    main = threading.main_thread()
+    other_started = threading.Event()
+    finished: list[int] = []
+
+    def job(index: int, share: int) -> int:
+        if threading.current_thread() is main:
+            assert other_started.wait(10)  # the other thread holds the slow item
+            threading.Timer(0.3, signal.pthread_kill, (main.ident, signal.SIGINT)).start()
+        else:
+            other_started.set()
+            time.sleep(1.0)  # still running when the interrupt arrives
+        finished.append(index)
+        return index
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            batch_mod.run_jobs(
+                [partial(job, i) for i in range(2)], [None] * 2, 2, stop_on_error=False
+            )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert sorted(finished) == [0, 1]  # the slow item ended before the interrupt was raised
+    for t in threading.enumerate():
+        if t.name.startswith("mmferry-batch"):
+            t.join(5)  # its worker returned: only the thread's own exit is left
+            assert not t.is_alive()
