@@ -176,7 +176,10 @@ def _build_items(
     first one's, as when they ran one after another."""
     from mmferry.preprocess.batch import ImagePart, batch_threads, item_bytes, run_jobs
 
-    jobs = [lambda _threads, part=part: build_item(proc, part, layout, call) for part in media]
+    jobs = [
+        lambda share, part=part: build_item(proc, part, layout, call, threads=share)
+        for part in media
+    ]
     sizes = [
         item_bytes(ImagePart(part.source), proc.config, layout)
         if part.modality == "image"

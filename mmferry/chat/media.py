@@ -38,9 +38,9 @@ def _checked(part: MediaPart, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise part.error(str(e), kind="bad_media") from None
 
 
-def _image(proc: Processor, part: MediaPart, layout: Layout) -> MultimodalItem:
+def _image(proc: Processor, part: MediaPart, layout: Layout, threads: int | None) -> MultimodalItem:
     if not part.options:
-        return _checked(part, proc.image, part.source, layout)
+        return _checked(part, proc.image, part.source, layout, threads=threads)
     cfg = proc.config
     pixels = _checked(part, decode_image, part.source, cfg.max_decoded_pixels).pixels
     h, w = _checked(part, qwen_keys.image_size, *pixels.shape[1:], part.options, cfg.factor)
@@ -48,7 +48,7 @@ def _image(proc: Processor, part: MediaPart, layout: Layout) -> MultimodalItem:
         h, w, factor=cfg.factor, min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels
     )
     # [3, H, W] -> [3, h, w]; the processor's own resize is then an identity.
-    return _checked(part, proc.image, resize_u8(as_batch(pixels), h, w)[0], layout)
+    return _checked(part, proc.image, resize_u8(as_batch(pixels), h, w)[0], layout, threads=threads)
 
 
 def _frames_tensor(frames: list[torch.Tensor]) -> torch.Tensor:
@@ -83,7 +83,9 @@ def _video_file(
 
     frames = _checked(part, decode_frames, data, name, indices, check_size, lambda h, w: size, info)
     # The kept frames, already sampled and sized: the processor takes them all, as they are.
-    item = _checked(part, proc.video, frames, layout, num_frames=n, source_fps=info.fps)
+    item = _checked(
+        part, proc.video, frames, layout, num_frames=n, source_fps=info.fps, threads=call["threads"]
+    )
     sample_fps = n / max(count, 1e-6) * info.fps
     return _retime(item, cfg.temporal_patch_size, indices, info.fps, sample_fps)
 
@@ -98,7 +100,9 @@ def _retime(
     return dataclasses.replace(item, second_per_grid_t=temporal / sample_fps)
 
 
-def _frame_list(proc: Processor, part: MediaPart, layout: Layout) -> MultimodalItem:
+def _frame_list(
+    proc: Processor, part: MediaPart, layout: Layout, threads: int | None
+) -> MultimodalItem:
     cfg, keys = proc.config, part.options
     frames = [_checked(part, decode_image, f, cfg.max_decoded_pixels).pixels for f in part.source]
     h, w = frames[0].shape[1:]
@@ -111,20 +115,29 @@ def _frame_list(proc: Processor, part: MediaPart, layout: Layout) -> MultimodalI
     resized = _frames_tensor([resize_u8(as_batch(f), *size)[0] for f in frames])
     sample_fps = keys.get("sample_fps", qwen_keys.FRAME_LIST_FPS)
     rate = keys.get("raw_fps", sample_fps)
-    item = _checked(part, proc.video, resized, layout, num_frames=n, source_fps=rate)
+    item = _checked(
+        part, proc.video, resized, layout, num_frames=n, source_fps=rate, threads=threads
+    )
     return _retime(item, cfg.temporal_patch_size, range(n), rate, sample_fps)
 
 
 def build_item(
-    proc: Processor, part: MediaPart, layout: Layout, call: dict[str, Any]
+    proc: Processor,
+    part: MediaPart,
+    layout: Layout,
+    call: dict[str, Any],
+    *,
+    threads: int | None = None,
 ) -> MultimodalItem:
-    """The item for one media part (`call`: the call's `fps` / `num_frames` for videos)."""
+    """The item for one media part (`call`: the call's `fps` / `num_frames` for videos;
+    `threads`: the processor's, see preprocess/threads.py)."""
     if part.modality == "image":
-        return _image(proc, part, layout)
+        return _image(proc, part, layout, threads)
+    call = {**call, "threads": threads}
     source = part.source
     if isinstance(source, (np.ndarray, torch.Tensor)) and source.ndim == 4:
         # A THWC array (or TCHW tensor) is a list of frames in one block.
         source = list(source)
     if isinstance(source, list):
-        return _frame_list(proc, dataclasses.replace(part, source=source), layout)
+        return _frame_list(proc, dataclasses.replace(part, source=source), layout, threads)
     return _video_file(proc, part, layout, call)

@@ -12,21 +12,24 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
 from mmferry.chat.media import build_item
 from mmferry.chat.parts import MediaPart, PartError, read_part
+from mmferry.chat.sources import Reference
 from mmferry.embed.cache import EncoderCache
 from mmferry.encoder.model import VisionEncoder, VisionOutput
 from mmferry.items import LAYOUTS, MultimodalItem
-from mmferry.preprocess.batch import batch_threads
+from mmferry.preprocess.batch import ImagePart, batch_threads, item_bytes
+from mmferry.preprocess.item_pool import ItemPool
 from mmferry.processor import Processor
 from mmferry.server.batching import Batcher
 from mmferry.server.encoded import EncodedItem, to_bytes
@@ -38,6 +41,9 @@ from mmferry.server.sources import check_media, parse_request, refused, source_p
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RESPONSES = ("safetensors", "shm")
 OPTIONS = ("layout", "dtype", "response")
+# Base64 characters decoded to read an image's size for scheduling (48 KiB: a JPEG's frame
+# header after a large EXIF block too).
+_HEADER_B64 = 65536
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,9 @@ class EncoderService:
             max_batch_patches=config.max_batch_patches,
             batch_wait_s=config.batch_wait_s,
         )
-        self._pool = ThreadPoolExecutor(config.preprocess_threads, "mmferry-preprocess")
+        # Requests first come, first served; a request's items largest first (item_pool.py).
+        self._pool = ItemPool(config.preprocess_threads)
+        self._requests = itertools.count()
         limits = config.limits
         self._policy = source_policy(limits)
         self._remote = RemoteFetcher(
@@ -134,7 +142,7 @@ class EncoderService:
         """Stop the encoder thread and release the shared-memory arena."""
         await self.batcher.stop()
         await self._remote.close()
-        self._pool.shutdown(wait=True)
+        await asyncio.to_thread(self._pool.shutdown)
         if self._arena is not None:
             self._arena.close()
 
@@ -163,7 +171,7 @@ class EncoderService:
             )
         return layout, DTYPES[dtype_name], response
 
-    async def _prepare(self, part: MediaPart, layout: str) -> MultimodalItem:
+    async def _prepare(self, part: MediaPart, layout: str, request: int) -> MultimodalItem:
         remote = [r.value for r in part.references() if r.scheme == "remote"]
         fetched, fetched_s = {}, 0.0
         if remote:
@@ -171,13 +179,34 @@ class EncoderService:
             t0 = time.perf_counter()
             datas = await asyncio.gather(*(self._remote.fetch(u, part.where) for u in remote))
             fetched, fetched_s = dict(zip(remote, datas)), time.perf_counter() - t0
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._pool, self._preprocess, part, layout, fetched, fetched_s
-        )
+        job = partial(self._preprocess, part, layout, fetched, fetched_s)
+        size = self._size(part, layout, fetched)
+        return await asyncio.wrap_future(self._pool.submit(job, group=request, size=size))
+
+    def _size(self, part: MediaPart, layout: str, fetched: dict[str, bytes]) -> int | None:
+        """Host bytes an image part will hold, from its header where one is at hand (fetched
+        bytes, the head of a data: payload); None otherwise (a file not read yet, videos)."""
+        source = part.source
+        if part.modality != "image" or not isinstance(source, Reference):
+            return None
+        if source.scheme == "remote":
+            head = fetched.get(source.value)
+        elif source.scheme == "data":
+            try:
+                head = base64.b64decode(source.value[:_HEADER_B64], validate=False)
+            except ValueError:  # refused with its reason when it is read
+                return None
+        else:
+            return None
+        return None if head is None else item_bytes(ImagePart(head), self.processor.config, layout)
 
     def _preprocess(
-        self, part: MediaPart, layout: str, fetched: dict[str, bytes], fetched_s: float
+        self,
+        part: MediaPart,
+        layout: str,
+        fetched: dict[str, bytes],
+        fetched_s: float,
+        threads: int,
     ) -> MultimodalItem:
         """On the pool: read a part's local sources, check their headers, preprocess it."""
         limits = self.config.limits
@@ -187,7 +216,7 @@ class EncoderService:
             check_media(part, limits, self.processor.config)
             t1 = time.perf_counter()
             self.metrics.stage_seconds.labels("fetch").observe(fetched_s + t1 - t0)
-            item = build_item(self.processor, part, layout, {})
+            item = build_item(self.processor, part, layout, {}, threads=threads)
         except PartError as e:
             raise refused(e) from None
         except ValueError as e:  # a decoder's refusal outside the part's own checks
@@ -202,7 +231,8 @@ class EncoderService:
         the answer's dtype and form; RequestError for anything refused."""
         parts, options = parse_request(body, self._policy)
         layout, dtype, response = self._options(options, local)
-        tasks = [asyncio.ensure_future(self._prepare(part, layout)) for part in parts]
+        request = next(self._requests)
+        tasks = [asyncio.ensure_future(self._prepare(part, layout, request)) for part in parts]
         try:
             items = await asyncio.gather(*tasks)
         except BaseException:

@@ -1,0 +1,131 @@
+"""The service's preprocessing pool: items of many callers, first come first served, a
+caller's largest first, within one thread bound."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import CancelledError
+
+import pytest
+import torch
+from PIL import Image
+
+import mmferry as mf
+from mmferry.preprocess import buffers
+from mmferry.preprocess.item_pool import ItemPool
+
+from .conftest import encode, gradient
+
+PROC = mf.Processor.for_model("qwen3-vl")
+
+
+def _held(pool: ItemPool) -> threading.Event:
+    """Occupy every thread of `pool` until the returned event is set."""
+    release, started = threading.Event(), threading.Barrier(pool.threads + 1)
+
+    def hold(_threads: int) -> None:
+        started.wait(10)
+        release.wait(10)
+
+    for _ in range(pool.threads):
+        pool.submit(hold, group=-1, size=None)
+    started.wait(10)
+    return release
+
+
+def test_items_of_concurrent_callers_equal_the_per_item_path():
+    jpegs = [
+        encode(Image.fromarray(gradient(h, w, seed=i)), "JPEG", quality=90)
+        for i, (h, w) in enumerate([(900, 700), (48, 64), (333, 517), (640, 480), (70, 90)])
+    ]
+    pool = ItemPool(2)
+    try:
+        futures = [
+            pool.submit(
+                lambda t, d=data: PROC.image(d, "compact-u8", threads=t), group=g, size=None
+            )
+            for g, data in enumerate(jpegs)
+        ]
+        for future, data in zip(futures, jpegs):
+            got, want = future.result(60), PROC.image(data, "compact-u8")
+            assert got.hash == want.hash and got.grid_thw == want.grid_thw
+            assert torch.equal(got.feature, want.feature)
+    finally:
+        pool.shutdown()
+
+
+def test_callers_first_come_first_served_and_largest_first():
+    pool = ItemPool(1)
+    ran: list[str] = []
+    release = _held(pool)
+    jobs = [
+        ("late small", 2, 10),
+        ("early small", 1, 10),
+        ("early big", 1, 99),
+        ("late ?", 2, None),
+    ]
+    futures = [
+        pool.submit(lambda _t, n=name: ran.append(n), group=g, size=size) for name, g, size in jobs
+    ]
+    release.set()
+    for f in futures:
+        f.result(10)
+    pool.shutdown()
+    # Unknown sizes go first in their group: usually videos or files not read yet.
+    assert ran == ["early big", "early small", "late ?", "late small"]
+
+
+def test_an_item_gets_the_threads_the_unfinished_items_leave():
+    pool = ItemPool(4)
+    try:
+        alone = pool.submit(lambda t: (t, torch.get_num_threads()), group=0, size=None)
+        assert alone.result(10) == (4, 4)  # a lone item splits its own work
+        release = _held(pool)
+        queued = [pool.submit(lambda t: t, group=1, size=None) for _ in range(6)]
+        release.set()
+        shares = [f.result(10) for f in queued]
+        # At most 4 threads in use at once: each share is 4 // (items not yet finished).
+        assert shares[0] == 1 and max(shares) <= 4
+    finally:
+        pool.shutdown()
+
+
+def test_a_cancelled_item_never_runs_and_a_failed_one_keeps_the_pool():
+    pool = ItemPool(1)
+    ran: list[int] = []
+    release = _held(pool)
+    cancelled = pool.submit(lambda t: ran.append(1), group=0, size=None)
+    failing = pool.submit(lambda t: 1 / 0, group=0, size=None)
+    after = pool.submit(lambda t: ran.append(2) or "ok", group=0, size=None)
+    assert cancelled.cancel()
+    release.set()
+    with pytest.raises(ZeroDivisionError):
+        failing.result(10)
+    assert after.result(10) == "ok" and ran == [2]
+    with pytest.raises(CancelledError):
+        cancelled.result(0)
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(lambda t: None, group=0, size=None)
+
+
+def test_a_running_item_asks_the_cache_for_its_bytes(monkeypatch):
+    cache = buffers.host_cache()
+    monkeypatch.setattr(cache, "limit_bytes", 1 << 20)
+    pool = ItemPool(2)
+    try:
+        seen = pool.submit(lambda t: cache.limit_bytes, group=0, size=64 << 20).result(10)
+    finally:
+        pool.shutdown()
+    assert seen >= 64 << 20
+    assert cache.limit_bytes == 1 << 20  # back to its own limit once the item ended
+
+
+def test_shutdown_runs_what_is_queued_and_ends_the_threads():
+    pool = ItemPool(2, name="mmferry-pool-test")
+    release = _held(pool)
+    queued = [pool.submit(lambda t, k=k: k, group=0, size=None) for k in range(5)]
+    release.set()
+    pool.shutdown()
+    assert [f.result(0) for f in queued] == list(range(5))
+    assert not [t for t in threading.enumerate() if t.name.startswith("mmferry-pool-test")]
