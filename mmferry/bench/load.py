@@ -1,25 +1,29 @@
 """Load: `mmferry serve` (batching on and off) vs transformers served the obvious way, on loopback.
 
-Two seeded workloads of 200 requests of one PNG each at concurrency 16, mixed sizes. "88%
-repeats": 24 distinct images, all first seen within the first 50 requests, the rest repeats
-(most answers come from mmferry's encoder cache). "all distinct": 200 images, none repeated, so
-nothing is served from a cache; here mmferry runs with a 32 MiB cache, which the workload fills
-within its first 20 requests and then keeps evicting from, so the RSS check below also checks
-that the cache stays within its bound. Servers: `mmferry serve` with the built-in qwen3-vl tower
-(random weights), batching on, then `--no-batching`; the baseline is the same FastAPI + uvicorn
-serving transformers the obvious way: per request, one `Qwen2VLImageProcessorPil` call and one
-`Qwen3VLVisionModel` forward, same weights.
-Checked before any figure: zero errors; every response's grid, token count and hash equal an
-in-process preprocess of its image; every response equals the first one for its image; mmferry
-equals transformers per image within a stated tolerance; the server's RSS at the 200th response
-is within 5% of the RSS at the 50th. Figures, per workload: requests/s and p50/p99 latency, the
-median and spread over 5 rounds; each round runs every server on each workload once, the
-order rotating.
+Three seeded workloads. Two of 200 requests of one PNG each at concurrency 16, mixed sizes. "88%
+repeats": 24 distinct images, all first seen within the first 50 requests, the rest repeats (most
+answers come from mmferry's encoder cache). "all distinct": 200 images, none repeated, so nothing is
+served from a cache; here mmferry runs with a 32 MiB cache, which the workload fills within its
+first 20 requests and then keeps evicting from, so the RSS check below also checks that the cache
+stays within its bound. "4 JPEGs each": 24 requests of 4 JPEGs at concurrency 4, 96 distinct sizes
+from 0.05 to 0.5 MP, none repeated (a request's items preprocessed in parallel, largest first), the
+same 32 MiB cache. Servers: `mmferry serve` with the built-in qwen3-vl tower (random weights),
+batching on, then `--no-batching`; the baseline is the same FastAPI + uvicorn serving transformers
+the obvious way: per request, one `Qwen2VLImageProcessorPil` call and one `Qwen3VLVisionModel`
+forward, same weights. Checked before any figure: zero errors; every response's grid, token count
+and hash equal an in-process preprocess of its image; every response equals the first one for its
+image; mmferry equals transformers per image within a stated tolerance; the server's RSS at the last
+response is within 5% of the RSS at a quarter of the requests. Figures, per workload: requests/s and
+p50/p99 latency, the median and spread over 5 rounds; each round runs every server on each workload
+once, the order rotating.
+--against DIR compares this tree's `mmferry serve` with the one in DIR (another checkout, e.g.
+the previous commit, its compiled kernel built) instead: both with batching on, same
+workloads, same rounds, no transformers. --only A,B runs the workloads whose names hold A or B.
 --quick cuts the tower to 1 layer (the repeating workload takes about 2 minutes a round on 2
 quiet CPUs, the all-distinct one longer, as mmferry encodes every request there; the full
 24-layer tower takes hours for 5 rounds).
 
-Run: python -m mmferry.bench.load [--quick] [--json FILE]
+Run: python -m mmferry.bench.load [--quick] [--json FILE] [--against DIR] [--only A,B]
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from mmferry.bench import harness
 # The folder holding the mmferry package (a checkout, or site-packages when installed).
 ROOT = Path(__file__).resolve().parents[2]
 REQUESTS, CONCURRENCY, DISTINCT, FIRST_SEEN_BY = 200, 16, 24, 50
+# The many-images workload: requests of PER_REQUEST JPEGs, all distinct.
+MULTI_REQUESTS, MULTI_CONCURRENCY, PER_REQUEST = 24, 4, 4
 ROUNDS = harness.MIN_ROUNDS
 SIZES = [(256, 256), (320, 240), (240, 320), (384, 256)]
 # mmferry vs transformers after the tower, same weights. Images that keep their size agree to
@@ -78,22 +84,39 @@ def sequence(seed: int = 0) -> list[int]:
 
 @dataclass(frozen=True)
 class Workload:
-    """The images, which one each request sends, and flags for the mmferry servers."""
+    """The images, which ones each request sends, and flags for the mmferry servers."""
 
     name: str
     datas: list[bytes]
-    seq: list[int]
+    seq: list[tuple[int, ...]]
     serve_flags: tuple[str, ...] = ()
+    concurrency: int = CONCURRENCY
+    mime: str = "image/png"
 
 
 def workloads() -> list[Workload]:
-    """The repeating workload (the cache's best case) and the all-distinct one (no hits)."""
+    """The repeating workload (the cache's best case), the all-distinct one (no hits) and the
+    many-images one."""
+    from mmferry.bench.batch import make_jpegs
+
     repeats = round(100 * (1 - DISTINCT / REQUESTS))
     # NOTE: seeds after the repeating workload's, so no image is shared between the two.
     distinct = images(REQUESTS, first_seed=DISTINCT)
+    n = MULTI_REQUESTS * PER_REQUEST
+    # Sizes interleaved across requests, so each request mixes small and large images.
+    order = np.random.default_rng(7).permutation(n)
+    multi = [tuple(int(j) for j in order[i::MULTI_REQUESTS]) for i in range(MULTI_REQUESTS)]
     return [
-        Workload(f"{repeats}% repeats", images(), sequence()),
-        Workload("all distinct", distinct, list(range(REQUESTS)), ("--cache-mib", "32")),
+        Workload(f"{repeats}% repeats", images(), [(i,) for i in sequence()]),
+        Workload("all distinct", distinct, [(i,) for i in range(REQUESTS)], ("--cache-mib", "32")),
+        Workload(
+            f"{PER_REQUEST} JPEGs each",
+            make_jpegs(n, 0.05, 0.5, seed=31),
+            multi,
+            ("--cache-mib", "32"),
+            concurrency=MULTI_CONCURRENCY,
+            mime="image/jpeg",
+        ),
     ]
 
 
@@ -104,9 +127,9 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-def start(cmd: list[str]) -> tuple[subprocess.Popen, str]:
-    """A server subprocess and the URL it prints once listening."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def start(cmd: list[str], root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """A server subprocess (mmferry imported from `root`) and the URL it prints once listening."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
     env.pop("MMFERRY_API_KEY", None)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
@@ -130,12 +153,13 @@ class Run:
     responses: dict[int, list] = field(default_factory=dict)  # request index -> items
 
 
-async def drive(url: str, pid: int, datas: list[bytes], seq: list[int]) -> Run:
-    """Send every request at the given concurrency; latencies, RSS, responses."""
+async def drive(url: str, pid: int, w: Workload) -> Run:
+    """Send every request at the workload's concurrency; latencies, RSS, responses."""
     from mmferry.server.client import AsyncEncoderClient, EncodeError, image_part
 
     run = Run()
-    sem = asyncio.Semaphore(CONCURRENCY)
+    sem = asyncio.Semaphore(w.concurrency)
+    mark = min(FIRST_SEEN_BY, len(w.seq) // 4)
     done = 0
     async with AsyncEncoderClient(url, timeout=3600) as client:
 
@@ -144,50 +168,55 @@ async def drive(url: str, pid: int, datas: list[bytes], seq: list[int]) -> Run:
             async with sem:
                 t0 = time.perf_counter()
                 try:
-                    run.responses[i] = await client.encode([image_part(datas[seq[i]], "image/png")])
+                    parts = [image_part(w.datas[j], w.mime) for j in w.seq[i]]
+                    run.responses[i] = await client.encode(parts)
                 except (EncodeError, OSError) as e:
                     run.errors.append(f"request {i}: {e}")
                 run.latencies.append(time.perf_counter() - t0)
                 done += 1
-                if done == FIRST_SEEN_BY:
+                if done == mark:
                     run.rss_50 = rss_bytes(pid)
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(len(seq))))
+        await asyncio.gather(*(one(i) for i in range(len(w.seq))))
         run.wall_s = time.perf_counter() - t0
     run.rss_end = rss_bytes(pid)
     return run
 
 
-def check(name: str, run: Run, seq: list[int], expected: list, *, hashes: bool) -> None:
+def check(name: str, run: Run, seq: list[tuple[int, ...]], expected: list, *, hashes: bool) -> None:
     """Zero errors; grids, tokens (and hashes) as preprocessed here; repeats equal the first."""
     if run.errors:
         raise AssertionError(f"{name}: {len(run.errors)} errors, first: {run.errors[0]}")
     first: dict[int, torch.Tensor] = {}
-    for i, (got,) in sorted(run.responses.items()):
-        want = expected[seq[i]]
-        if (got.grid_thw, got.num_tokens) != (want.grid_thw, want.num_tokens):
-            raise AssertionError(f"{name}: request {i} grid {got.grid_thw} != {want.grid_thw}")
-        if hashes and got.hash != want.hash:
-            raise AssertionError(f"{name}: request {i} hash differs")
-        ref = first.setdefault(seq[i], got.embeds)
-        harness.check_equal(f"{name} request {i} vs first", got.embeds, ref, atol=1e-5)
+    for i, items in sorted(run.responses.items()):
+        if len(items) != len(seq[i]):
+            raise AssertionError(f"{name}: request {i} has {len(items)} items, sent {len(seq[i])}")
+        for j, got in zip(seq[i], items):
+            want = expected[j]
+            if (got.grid_thw, got.num_tokens) != (want.grid_thw, want.num_tokens):
+                raise AssertionError(f"{name}: request {i} grid {got.grid_thw} != {want.grid_thw}")
+            if hashes and got.hash != want.hash:
+                raise AssertionError(f"{name}: request {i} hash differs")
+            ref = first.setdefault(j, got.embeds)
+            harness.check_equal(f"{name} request {i} vs first", got.embeds, ref, atol=1e-5)
     growth = run.rss_end - run.rss_50
     if growth > 0.05 * run.rss_50:
         raise AssertionError(
-            f"{name}: RSS grew {growth / 2**20:.1f} MiB from request 50 to {len(seq)}"
+            f"{name}: RSS grew {growth / 2**20:.1f} MiB from a quarter of the requests to all "
+            f"{len(seq)}"
         )
 
 
-def measure(name: str, cmd: list[str], datas: list[bytes], seq: list[int]) -> Run:
-    proc, url = start(cmd)
+def measure(name: str, cmd: list[str], w: Workload, root: Path = ROOT) -> Run:
+    proc, url = start(cmd, root)
     try:
-        r = asyncio.run(drive(url, proc.pid, datas, seq))
+        r = asyncio.run(drive(url, proc.pid, w))
     finally:
         proc.terminate()
         proc.wait(timeout=120)
     print(
-        f"  {name}: {len(seq) / r.wall_s:.2f} req/s, p50 {_pct(r.latencies, 50) * 1e3:.0f} ms, "
+        f"  {name}: {len(w.seq) / r.wall_s:.2f} req/s, p50 {_pct(r.latencies, 50) * 1e3:.0f} ms, "
         f"p99 {_pct(r.latencies, 99) * 1e3:.0f} ms, {len(r.errors)} errors, RSS "
         f"{r.rss_50 / 2**20:.0f} -> {r.rss_end / 2**20:.0f} MiB",
         flush=True,
@@ -199,21 +228,35 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
 
-def run(report: harness.Report, quick: bool) -> None:
-    """Three servers on two workloads, one load run each per round, the server order rotating;
-    checks first on every run, then the figures (median and spread over the rounds)."""
+def run(
+    report: harness.Report, quick: bool, against: Path | None = None, only: str | None = None
+) -> None:
+    """Three servers on three workloads (or this tree against `against`), one load run each
+    per round, the server order rotating; checks first on every run, then the figures (median
+    and spread over the rounds)."""
     import mmferry as mf
 
     depth = ["--depth", "1"] if quick else []
-    loads = workloads()
+    loads = [w for w in workloads() if only is None or any(k in w.name for k in only.split(","))]
+    if not loads:
+        raise SystemExit(f"--only {only!r} names no workload of {[w.name for w in workloads()]}")
     proc = mf.Processor.for_model("qwen3-vl")
     expected = {w.name: [proc.image(d, "compact-u8") for d in w.datas] for w in loads}
     serve = [sys.executable, "-m", "mmferry", "serve", "--port", "0", *depth]
-    servers = {
-        "batching on": serve,
-        "batching off": [*serve, "--no-batching"],
-        "transformers": [sys.executable, "-m", "mmferry.bench.load", "--serve-baseline", *depth],
-    }
+    servers = {"batching on": serve}
+    if against is None:
+        servers["batching off"] = [*serve, "--no-batching"]
+        servers["transformers"] = [
+            sys.executable,
+            "-m",
+            "mmferry.bench.load",
+            "--serve-baseline",
+            *depth,
+        ]
+        baseline, compared = "transformers", ("batching on", "batching off")
+    else:
+        baseline, compared = f"mmferry at {against}", ("batching on",)
+        servers[baseline] = serve
     names = list(servers)
     runs: dict[tuple[str, str], list[Run]] = {(w.name, n): [] for w in loads for n in names}
     worst = dict.fromkeys((w.name for w in loads), 0.0)
@@ -222,31 +265,35 @@ def run(report: harness.Report, quick: bool) -> None:
         for w in loads:
             for name in harness.rotated(names, r):
                 cmd = servers[name] if name == "transformers" else [*servers[name], *w.serve_flags]
+                root = against if against is not None and name == baseline else ROOT
                 label = f"{name}, {w.name}"
-                got = measure(label, cmd, w.datas, w.seq)
+                got = measure(label, cmd, w, root)
                 check(label, got, w.seq, expected[w.name], hashes=name != "transformers")
                 runs[w.name, name].append(got)
-            ours, base = runs[w.name, "batching on"][-1], runs[w.name, "transformers"][-1]
+            ours, base = runs[w.name, "batching on"][-1], runs[w.name, baseline][-1]
             worst[w.name] = max(worst[w.name], _agreement(ours, base))
             for name in names:  # the responses are checked; keep only the timings
                 runs[w.name, name][-1].responses.clear()
     tower = "1-layer qwen3-vl tower (--quick)" if quick else "24-layer qwen3-vl tower"
     for w in loads:
         print(
-            f"{w.name}: {len(w.seq)} requests, concurrency {CONCURRENCY}, {len(w.datas)} "
-            f"distinct images, {tower}; max |mmferry - transformers| {worst[w.name]:.2e} "
+            f"{w.name}: {len(w.seq)} requests, concurrency {w.concurrency}, {len(w.datas)} "
+            f"distinct images, {tower}; max |mmferry - {baseline}| {worst[w.name]:.2e} "
             f"(allowed {TOLERANCE})"
         )
     for w in loads:
-        base = runs[w.name, "transformers"]
-        for name in ("batching on", "batching off"):
+        base = runs[w.name, baseline]
+        for name in compared:
             ours = runs[w.name, name]
             rss = max(r.rss_end for r in ours)
-            note = f"RSS at most {rss / 2**20:.0f} MiB, within 5% from request 50 to {len(w.seq)}"
+            note = (
+                f"RSS at most {rss / 2**20:.0f} MiB, within 5% from a quarter of the requests "
+                f"to all {len(w.seq)}"
+            )
             report.add(
                 harness.Figure.of_values(
                     f"requests/s, {name}, {w.name}",
-                    "transformers",
+                    baseline,
                     [len(w.seq) / r.wall_s for r in base],
                     [len(w.seq) / r.wall_s for r in ours],
                     unit="req/s",
@@ -258,7 +305,7 @@ def run(report: harness.Report, quick: bool) -> None:
                 report.add(
                     harness.Figure.of_values(
                         f"p{q} latency, {name}, {w.name}",
-                        "transformers",
+                        baseline,
                         [_pct(r.latencies, q) for r in base],
                         [_pct(r.latencies, q) for r in ours],
                         unit="ms",
@@ -267,14 +314,14 @@ def run(report: harness.Report, quick: bool) -> None:
 
 
 def _agreement(ours: Run, base: Run) -> float:
-    """Largest difference between mmferry's and transformers' rows, checked per request."""
+    """Largest difference between mmferry's and the baseline's rows, checked per item."""
     worst = 0.0
-    for i, (got,) in base.responses.items():
-        (mine,) = ours.responses[i]
-        harness.check_equal(
-            f"transformers vs mmferry, request {i}", mine.embeds, got.embeds, atol=TOLERANCE
-        )
-        worst = max(worst, (mine.embeds - got.embeds).abs().max().item())
+    for i, items in base.responses.items():
+        for got, mine in zip(items, ours.responses[i], strict=True):
+            harness.check_equal(
+                f"baseline vs mmferry, request {i}", mine.embeds, got.embeds, atol=TOLERANCE
+            )
+            worst = max(worst, (mine.embeds - got.embeds).abs().max().item())
     return worst
 
 
@@ -312,15 +359,22 @@ def serve_baseline(depth: int | None) -> int:
     app = FastAPI()
 
     def encode(body: dict) -> bytes:
-        url = body["content"][0]["image_url"]["url"]
-        image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
-        inputs = processor(images=[image], return_tensors="pt")
+        images = [
+            Image.open(io.BytesIO(base64.b64decode(part["image_url"]["url"].split(",", 1)[1])))
+            for part in body["content"]
+        ]
+        inputs = processor(images=[im.convert("RGB") for im in images], return_tensors="pt")
         with torch.inference_mode():
             out = model(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
-        grid = tuple(int(v) for v in inputs["image_grid_thw"][0])
-        rows = out.pooler_output
         deep = tuple(out.deepstack_features) if out.deepstack_features is not None else ()
-        return to_bytes([EncodedItem("image", rows, deep, grid, rows.shape[0], "")])
+        items, start = [], 0
+        for grid in inputs["image_grid_thw"].tolist():
+            n = grid[0] * grid[1] * grid[2] // p.merge_size**2
+            rows = out.pooler_output[start : start + n]
+            parts = tuple(d[start : start + n] for d in deep)
+            items.append(EncodedItem("image", rows, parts, tuple(grid), n, ""))
+            start += n
+        return to_bytes(items)
 
     async def route(request: Any) -> Any:
         body = await request.json()
@@ -351,7 +405,18 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--serve-baseline", action="store_true")
         p.add_argument("--depth", type=int)
         return serve_baseline(p.parse_args(argv).depth)
-    return harness.main_for(run, argv, __doc__.splitlines()[0])
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--against", type=Path)
+    p.add_argument("--only")
+    known, rest = p.parse_known_args(argv)
+    against = known.against
+    if against is not None and not (against / "mmferry" / "__init__.py").is_file():
+        raise SystemExit(f"--against {against}: no mmferry package there")
+    return harness.main_for(
+        lambda report, quick: run(report, quick, against, known.only),
+        rest,
+        __doc__.splitlines()[0],
+    )
 
 
 if __name__ == "__main__":
