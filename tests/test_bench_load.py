@@ -40,7 +40,7 @@ def test_check_refuses_items_out_of_order():
     everything = [expected.get(j) for j in range(len(w.datas))]
     run = load.Run(rss_50=100, rss_end=100)
     run.responses[0] = [encoded(j) for j in request]
-    load.check("in order", run, [request], everything, hashes=True)
+    load.check("in order", run, [request], everything, hashes=True, rss=True)
     run.responses[0] = [encoded(j) for j in reversed(request)]
     with pytest.raises(AssertionError, match="request 0"):
-        load.check("reversed", run, [request], everything, hashes=True)
+        load.check("reversed", run, [request], everything, hashes=True, rss=True)

@@ -13,9 +13,9 @@ the obvious way: per request, one `Qwen2VLImageProcessorPil` call and one `Qwen3
 forward, same weights. Checked before any figure: zero errors; every response's grid, token count
 and hash equal an in-process preprocess of its image; every response equals the first one for its
 image; mmferry equals transformers per image within a stated tolerance; the server's RSS at the last
-response is within 5% of the RSS at a quarter of the requests. Figures, per workload: requests/s and
-p50/p99 latency, the median and spread over 5 rounds; each round runs every server on each workload
-once, the order rotating.
+response is within 5% of the RSS at a quarter of the requests (the 200-request workloads). Figures,
+per workload: requests/s and p50/p99 latency, the median and spread over 5 rounds; each round runs
+every server on each workload once, the order rotating.
 --against DIR compares this tree's `mmferry serve` with the one in DIR (another checkout, e.g.
 the previous commit, its compiled kernel built) instead: both with batching on, same
 workloads, same rounds, no transformers. --only A,B runs the workloads whose names hold A or B.
@@ -92,6 +92,10 @@ class Workload:
     serve_flags: tuple[str, ...] = ()
     concurrency: int = CONCURRENCY
     mime: str = "image/png"
+    # Whether the server's RSS must hold within 5% from a quarter of the requests to the end:
+    # the 200-request workloads, long enough to warm up; 24 requests of large images are not
+    # (the encoder's largest batch so far sets the high-water mark).
+    steady_rss: bool = True
 
 
 def workloads() -> list[Workload]:
@@ -116,6 +120,7 @@ def workloads() -> list[Workload]:
             ("--cache-mib", "32"),
             concurrency=MULTI_CONCURRENCY,
             mime="image/jpeg",
+            steady_rss=False,
         ),
     ]
 
@@ -184,7 +189,9 @@ async def drive(url: str, pid: int, w: Workload) -> Run:
     return run
 
 
-def check(name: str, run: Run, seq: list[tuple[int, ...]], expected: list, *, hashes: bool) -> None:
+def check(
+    name: str, run: Run, seq: list[tuple[int, ...]], expected: list, *, hashes: bool, rss: bool
+) -> None:
     """Zero errors; grids, tokens (and hashes) as preprocessed here; repeats equal the first."""
     if run.errors:
         raise AssertionError(f"{name}: {len(run.errors)} errors, first: {run.errors[0]}")
@@ -201,7 +208,7 @@ def check(name: str, run: Run, seq: list[tuple[int, ...]], expected: list, *, ha
             ref = first.setdefault(j, got.embeds)
             harness.check_equal(f"{name} request {i} vs first", got.embeds, ref, atol=1e-5)
     growth = run.rss_end - run.rss_50
-    if growth > 0.05 * run.rss_50:
+    if rss and growth > 0.05 * run.rss_50:
         raise AssertionError(
             f"{name}: RSS grew {growth / 2**20:.1f} MiB from a quarter of the requests to all "
             f"{len(seq)}"
@@ -268,7 +275,8 @@ def run(
                 root = against if against is not None and name == baseline else ROOT
                 label = f"{name}, {w.name}"
                 got = measure(label, cmd, w, root)
-                check(label, got, w.seq, expected[w.name], hashes=name != "transformers")
+                hashes = name != "transformers"
+                check(label, got, w.seq, expected[w.name], hashes=hashes, rss=w.steady_rss)
                 runs[w.name, name].append(got)
             ours, base = runs[w.name, "batching on"][-1], runs[w.name, baseline][-1]
             worst[w.name] = max(worst[w.name], _agreement(ours, base))
@@ -286,10 +294,9 @@ def run(
         for name in compared:
             ours = runs[w.name, name]
             rss = max(r.rss_end for r in ours)
-            note = (
-                f"RSS at most {rss / 2**20:.0f} MiB, within 5% from a quarter of the requests "
-                f"to all {len(w.seq)}"
-            )
+            note = f"RSS at most {rss / 2**20:.0f} MiB"
+            if w.steady_rss:
+                note += f", within 5% from a quarter of the requests to all {len(w.seq)}"
             report.add(
                 harness.Figure.of_values(
                     f"requests/s, {name}, {w.name}",
