@@ -26,7 +26,7 @@ def test_the_distinct_workloads_repeat_no_image():
     assert len(set(sizes)) == len(sizes)  # all-distinct sizes
 
 
-def test_check_refuses_items_out_of_order():
+def test_check_refuses_items_out_of_order_and_a_cache_over_its_bound():
     proc = mf.Processor.for_model("qwen3-vl")
     w = load.workloads()[-1]
     request = w.seq[0]
@@ -38,9 +38,11 @@ def test_check_refuses_items_out_of_order():
         return EncodedItem("image", rows, (), it.grid_thw, it.num_tokens, it.hash)
 
     everything = [expected.get(j) for j in range(len(w.datas))]
-    run = load.Run(rss_50=100, rss_end=100)
+    run = load.Run(rss_50=100, rss_end=100, cache_bytes=1000)
     run.responses[0] = [encoded(j) for j in request]
-    load.check("in order", run, [request], everything, hashes=True, rss=True)
+    load.check("in order", run, [request], everything, hashes=True, cache_bytes=1000)
+    with pytest.raises(AssertionError, match="encoder cache holds"):
+        load.check("cache over", run, [request], everything, hashes=True, cache_bytes=999)
     run.responses[0] = [encoded(j) for j in reversed(request)]
     with pytest.raises(AssertionError, match="request 0"):
-        load.check("reversed", run, [request], everything, hashes=True, rss=True)
+        load.check("reversed", run, [request], everything, hashes=True, cache_bytes=1000)

@@ -4,18 +4,20 @@ Three seeded workloads. Two of 200 requests of one PNG each at concurrency 16, m
 repeats": 24 distinct images, all first seen within the first 50 requests, the rest repeats (most
 answers come from mmferry's encoder cache). "all distinct": 200 images, none repeated, so nothing is
 served from a cache; here mmferry runs with a 32 MiB cache, which the workload fills within its
-first 20 requests and then keeps evicting from, so the RSS check below also checks that the cache
-stays within its bound. "4 JPEGs each": 24 requests of 4 JPEGs at concurrency 4, 96 distinct sizes
-from 0.05 to 0.5 MP, none repeated (a request's items preprocessed in parallel, largest first), the
-same 32 MiB cache. Servers: `mmferry serve` with the built-in qwen3-vl tower (random weights),
-batching on, then `--no-batching`; the baseline is the same FastAPI + uvicorn serving transformers
-the obvious way: per request, one `Qwen2VLImageProcessorPil` call and one `Qwen3VLVisionModel`
-forward, same weights. Checked before any figure: zero errors; every response's grid, token count
-and hash equal an in-process preprocess of its image; every response equals the first one for its
-image; mmferry equals transformers per image within a stated tolerance; the server's RSS at the last
-response is within 5% of the RSS at a quarter of the requests (the 200-request workloads). Figures,
-per workload: requests/s and p50/p99 latency, the median and spread over 5 rounds; each round runs
-every server on each workload once, the order rotating.
+first 20 requests and then keeps evicting from, and the check below reads the cache's size. "4 JPEGs
+each": 24 requests of 4 JPEGs at concurrency 4, 96 distinct sizes from 0.05 to 0.5 MP, none repeated
+(a request's items preprocessed in parallel, largest first), the same 32 MiB cache. Servers:
+`mmferry serve` with the built-in qwen3-vl tower (random weights), batching on, then
+`--no-batching`; the baseline is the same FastAPI + uvicorn serving transformers the obvious way:
+per request, one `Qwen2VLImageProcessorPil` call and one `Qwen3VLVisionModel` forward, same weights.
+Checked before any figure: zero errors; every response's grid, token count and hash equal an
+in-process preprocess of its image; every response equals the first one for its image; mmferry
+equals transformers per image within a stated tolerance; mmferry's encoder cache (its /metrics)
+within its 32 MiB at the end. The server's RSS at a quarter of the requests and at the end is
+reported, not checked: the same code's RSS moved by -4% and +7% between those points in two runs
+(allocator high-water marks of a 900 MiB process), a swing larger than the whole 32 MiB cache.
+Figures, per workload: requests/s and p50/p99 latency, the median and spread over 5 rounds; each
+round runs every server on each workload once, the order rotating.
 --against DIR compares this tree's `mmferry serve` with the one in DIR (another checkout, e.g.
 the previous commit, its compiled kernel built) instead: both with batching on, same
 workloads, same rounds, no transformers. --only A,B runs the workloads whose names hold A or B.
@@ -92,10 +94,8 @@ class Workload:
     serve_flags: tuple[str, ...] = ()
     concurrency: int = CONCURRENCY
     mime: str = "image/png"
-    # Whether the server's RSS must hold within 5% from a quarter of the requests to the end:
-    # the 200-request workloads, long enough to warm up; 24 requests of large images are not
-    # (the encoder's largest batch so far sets the high-water mark).
-    steady_rss: bool = True
+    # The encoder cache's bound the serve flags set, checked at the end of each run.
+    cache_bytes: int | None = None
 
 
 def workloads() -> list[Workload]:
@@ -112,7 +112,13 @@ def workloads() -> list[Workload]:
     multi = [tuple(int(j) for j in order[i::MULTI_REQUESTS]) for i in range(MULTI_REQUESTS)]
     return [
         Workload(f"{repeats}% repeats", images(), [(i,) for i in sequence()]),
-        Workload("all distinct", distinct, [(i,) for i in range(REQUESTS)], ("--cache-mib", "32")),
+        Workload(
+            "all distinct",
+            distinct,
+            [(i,) for i in range(REQUESTS)],
+            ("--cache-mib", "32"),
+            cache_bytes=32 << 20,
+        ),
         Workload(
             f"{PER_REQUEST} JPEGs each",
             make_jpegs(n, 0.05, 0.5, seed=31),
@@ -120,7 +126,7 @@ def workloads() -> list[Workload]:
             ("--cache-mib", "32"),
             concurrency=MULTI_CONCURRENCY,
             mime="image/jpeg",
-            steady_rss=False,
+            cache_bytes=32 << 20,
         ),
     ]
 
@@ -154,6 +160,7 @@ class Run:
     wall_s: float = 0.0
     rss_50: int = 0
     rss_end: int = 0
+    cache_bytes: float | None = None  # the service's encoder cache at the end (/metrics)
     errors: list[str] = field(default_factory=list)
     responses: dict[int, list] = field(default_factory=dict)  # request index -> items
 
@@ -186,13 +193,34 @@ async def drive(url: str, pid: int, w: Workload) -> Run:
         await asyncio.gather(*(one(i) for i in range(len(w.seq))))
         run.wall_s = time.perf_counter() - t0
     run.rss_end = rss_bytes(pid)
+    run.cache_bytes = await _cache_bytes(url)
     return run
 
 
+async def _cache_bytes(url: str) -> float | None:
+    """The service's `mmferry_cache_bytes` gauge; None where there is none (transformers, an
+    older mmferry)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        r = await http.get(f"{url}/metrics")
+    for line in r.text.splitlines() if r.status_code == 200 else []:
+        if line.startswith("mmferry_cache_bytes "):
+            return float(line.split()[1])
+    return None
+
+
 def check(
-    name: str, run: Run, seq: list[tuple[int, ...]], expected: list, *, hashes: bool, rss: bool
+    name: str,
+    run: Run,
+    seq: list[tuple[int, ...]],
+    expected: list,
+    *,
+    hashes: bool,
+    cache_bytes: int | None = None,
 ) -> None:
-    """Zero errors; grids, tokens (and hashes) as preprocessed here; repeats equal the first."""
+    """Zero errors; grids, tokens (and hashes) as preprocessed here; repeats equal the first;
+    the encoder cache within `cache_bytes` at the end (where the service reports it)."""
     if run.errors:
         raise AssertionError(f"{name}: {len(run.errors)} errors, first: {run.errors[0]}")
     first: dict[int, torch.Tensor] = {}
@@ -207,11 +235,10 @@ def check(
                 raise AssertionError(f"{name}: request {i} hash differs")
             ref = first.setdefault(j, got.embeds)
             harness.check_equal(f"{name} request {i} vs first", got.embeds, ref, atol=1e-5)
-    growth = run.rss_end - run.rss_50
-    if rss and growth > 0.05 * run.rss_50:
+    if cache_bytes is not None and run.cache_bytes is not None and run.cache_bytes > cache_bytes:
         raise AssertionError(
-            f"{name}: RSS grew {growth / 2**20:.1f} MiB from a quarter of the requests to all "
-            f"{len(seq)}"
+            f"{name}: the encoder cache holds {run.cache_bytes / 2**20:.1f} MiB, over its "
+            f"{cache_bytes / 2**20:.0f} MiB"
         )
 
 
@@ -276,7 +303,7 @@ def run(
                 label = f"{name}, {w.name}"
                 got = measure(label, cmd, w, root)
                 hashes = name != "transformers"
-                check(label, got, w.seq, expected[w.name], hashes=hashes, rss=w.steady_rss)
+                check(label, got, w.seq, expected[w.name], hashes=hashes, cache_bytes=w.cache_bytes)
                 runs[w.name, name].append(got)
             ours, base = runs[w.name, "batching on"][-1], runs[w.name, baseline][-1]
             worst[w.name] = max(worst[w.name], _agreement(ours, base))
@@ -294,9 +321,8 @@ def run(
         for name in compared:
             ours = runs[w.name, name]
             rss = max(r.rss_end for r in ours)
-            note = f"RSS at most {rss / 2**20:.0f} MiB"
-            if w.steady_rss:
-                note += f", within 5% from a quarter of the requests to all {len(w.seq)}"
+            grew = max((r.rss_end - r.rss_50) / r.rss_50 for r in ours)
+            note = f"RSS at most {rss / 2**20:.0f} MiB, at most {grew:+.0%} after a quarter"
             report.add(
                 harness.Figure.of_values(
                     f"requests/s, {name}, {w.name}",

@@ -6,8 +6,9 @@ small batch, and its threads must stay within one bound across all of them. `Ite
 - requests are served first come, first served (`group`, a number that grows per request), and
   a request's items largest first, so its last item to finish is a small one;
 - an item gets `threads // (items not yet finished, queued ones included)` threads when it
-  starts (at least one): a lone large item on an idle pool splits its own resize and gather,
-  and under load every item runs on one thread, so the sum stays within `threads`;
+  starts (at least one), passed to the job: a lone large item on an idle pool splits its own
+  resize and gather, and under load every item runs on one thread, so the sum stays within
+  `threads`;
 - each running item asks the host buffer cache to keep its own buffers
   (`buffers.ensure_host_cache`; concurrent asks add up), so items in flight reuse pages rather
   than evict each other's.
@@ -83,7 +84,10 @@ class ItemPool:
             try:
                 if future.set_running_or_notify_cancel():
                     try:
-                        with intra_op_threads(share), no_extra_thread(), ensure_host_cache(size):
+                        # NOTE: torch ops the job does not size itself run on one thread: a
+                        # pool thread that runs an OpenMP team keeps that team's threads (and
+                        # their memory) for its life. The job sizes its resize and gather.
+                        with intra_op_threads(1), no_extra_thread(), ensure_host_cache(size):
                             result = job(share)
                     except BaseException as e:  # noqa: BLE001 - the caller's to handle
                         future.set_exception(e)

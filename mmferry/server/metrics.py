@@ -42,6 +42,7 @@ class Metrics:
         self.errors = Counter("mmferry_errors", "refused or failed requests", ["kind"], registry=r)
         self.cache_hits = Counter("mmferry_cache_hits", "items served by the cache", registry=r)
         self.cache_misses = Counter("mmferry_cache_misses", "items the cache lacked", registry=r)
+        self.cache_bytes = Gauge("mmferry_cache_bytes", "bytes the encoder cache holds", registry=r)
         self.dedup_hits = Counter(
             "mmferry_inflight_dedup", "items joined to an identical item in flight", registry=r
         )

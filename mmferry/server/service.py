@@ -108,6 +108,7 @@ class EncoderService:
         self.config = config
         self.metrics = Metrics()
         self.cache = EncoderCache(config.cache_bytes)
+        self.metrics.cache_bytes.set_function(lambda: self.cache.used_bytes)
         # `encode` replaces a plain encoder call (the sharded leader under torchrun).
         self.batcher = Batcher(
             encode or encoder,

@@ -27,6 +27,7 @@ from mmferry.server.client import (
     video_part,
 )
 from mmferry.server.encoded import from_bytes
+from mmferry.server.service import ServiceConfig
 
 from .conftest import API_KEY, DEPTH, IMAGE_MAX_PIXELS, png
 
@@ -229,7 +230,8 @@ def test_client_raises_with_the_server_message(server, media_dir):
 
 
 def test_health_and_metrics(server, client, media_dir):
-    client.encode([path_part(media_dir / "img1.png")])
+    for _ in range(2):  # the second is a cache hit whatever ran before
+        client.encode([path_part(media_dir / "img1.png")])
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ok" and "RANDOM" in health["encoder"]
     text = httpx.get(f"{server.url}/metrics").text
@@ -242,9 +244,12 @@ def test_health_and_metrics(server, client, media_dir):
         "mmferry_cache_hits_total",
         "mmferry_pool_fallbacks_total",
         "mmferry_errors_total",
+        "mmferry_cache_bytes",
     ):
         assert name in text, name
     assert metric(server.url, "mmferry_cache_hits_total") >= 1
+    # The encoder's rows for img1 at least, within the cache's default capacity.
+    assert 0 < metric(server.url, "mmferry_cache_bytes") <= ServiceConfig().cache_bytes
 
 
 def test_service_items_stand_in_for_local_items_in_prefill_step(client, reference, media_dir):
