@@ -53,6 +53,19 @@ HOT static void affine_line(const uint8_t *restrict in, ptrdiff_t w, float scale
     for (ptrdiff_t x = 0; x < w; x++) out[x] = fmaf((float)in[x], scale, shift);
 }
 
+/* n bytes from s to d. NOTE: a constant size for Qwen-VL's patch widths (16 values: Qwen3-VL,
+ * 14: Qwen2-VL and Qwen2.5-VL), so the compiler inlines the copy instead of calling memcpy for
+ * every short run. */
+static inline void copy_run(void *restrict d, const void *restrict s, size_t n) {
+    switch (n) {
+    case 14: memcpy(d, s, 14); break;
+    case 16: memcpy(d, s, 16); break;
+    case 56: memcpy(d, s, 56); break;
+    case 64: memcpy(d, s, 64); break;
+    default: memcpy(d, s, n);
+    }
+}
+
 /* Bands [first, last) of temporal patch-major band index (tp * bands_per_frame + i).
  * Returns 0, or -1 when out of memory. */
 int mmferry_patches_u8(const uint8_t *src, ptrdiff_t frame_stride, ptrdiff_t row_stride,
@@ -82,7 +95,7 @@ int mmferry_patches_u8(const uint8_t *src, ptrdiff_t frame_stride, ptrdiff_t row
                         for (ptrdiff_t f = 0; f < group; f++) {
                             const uint8_t *plane = pl + (f * 3 + c) * B * w + j * B + mj * P;
                             for (ptrdiff_t pi = 0; pi < P; pi++) {
-                                memcpy(out, plane + (mi * P + pi) * w, (size_t)P);
+                                copy_run(out, plane + (mi * P + pi) * w, (size_t)P);
                                 out += P;
                             }
                         }
@@ -129,7 +142,7 @@ int mmferry_patches_f32(const uint8_t *src, ptrdiff_t frame_stride, ptrdiff_t ro
                             const ptrdiff_t f = group == 1 ? 0 : t;
                             const float *plane = pl + (f * 3 + c) * B * w + j * B + mj * P;
                             for (ptrdiff_t pi = 0; pi < P; pi++) {
-                                memcpy(out, plane + (mi * P + pi) * w, sizeof(float) * P);
+                                copy_run(out, plane + (mi * P + pi) * w, sizeof(float) * P);
                                 out += P;
                             }
                         }
