@@ -262,12 +262,18 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
 
-def run(
+def run(report: harness.Report, quick: bool) -> None:
+    """Three servers on three workloads, one load run each per round, the server order
+    rotating; checks first on every run, then the figures (median and spread over the
+    rounds)."""
+    compare(report, quick)
+
+
+def compare(
     report: harness.Report, quick: bool, against: Path | None = None, only: str | None = None
 ) -> None:
-    """Three servers on three workloads (or this tree against `against`), one load run each
-    per round, the server order rotating; checks first on every run, then the figures (median
-    and spread over the rounds)."""
+    """`run`, or this tree's service against the one in `against`; `only`: the workloads whose
+    names hold one of its comma-separated words."""
     import mmferry as mf
 
     depth = ["--depth", "1"] if quick else []
@@ -446,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     if against is not None and not (against / "mmferry" / "__init__.py").is_file():
         raise SystemExit(f"--against {against}: no mmferry package there")
     return harness.main_for(
-        lambda report, quick: run(report, quick, against, known.only),
+        lambda report, quick: compare(report, quick, against, known.only),
         rest,
         __doc__.splitlines()[0],
     )

@@ -24,7 +24,9 @@ descheduled hash thread delays only the join, never the gather; items under
 A batch (batch.py) runs whole items on its threads instead and turns the exception off on
 them (`no_extra_thread`): the other items keep the cores busy, and its thread count stays
 within its `threads`. torch's intra-op count is per thread under OpenMP (a worker starts at
-the default, not the caller's), so each worker sets its own.
+the default, not the caller's), so each worker sets its own. The service's pool
+(item_pool.py) runs a job's own torch ops on one thread and passes its share as the item's
+`threads`: its threads live on, and one that ran an OpenMP team keeps that team.
 """
 
 from __future__ import annotations
