@@ -12,7 +12,7 @@ exact class KeyboardInterrupt is marked, so a command that raises its own never 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -48,7 +48,7 @@ def recorded_interrupts() -> Iterator[list[int]]:
 
 
 @contextmanager
-def _handlers(handler) -> Iterator[None]:
+def _handlers(handler: Callable[[int, object], None]) -> Iterator[None]:
     previous = [signal.getsignal(s) for s in SIGNALS]
     try:
         for s in SIGNALS:
