@@ -565,3 +565,23 @@ def test_written_file_is_safetensors(tmp_path, dtype):
     with safe_open(str(path), framework="pt") as f:
         keys = sorted(f.keys())  # noqa: SIM118 - safe_open has no iter
     assert keys == ["0.deepstack.0", "0.embeds", "1.embeds", "2.deepstack.0", "2.embeds"]
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_failed_write_removes_the_folders_it_created(tmp_path, failure):
+    """The output's missing folders are made for the write and go with it when it fails or is
+    interrupted; a folder that existed before stays."""
+    from mmferry.commands import outfile
+
+    (tmp_path / "kept").mkdir()
+    out = tmp_path / "kept" / "new" / "deeper" / "o.bin"
+
+    def write(f) -> None:
+        f.write(b"half")
+        raise failure
+
+    with pytest.raises((outfile.OutputError, KeyboardInterrupt)):
+        outfile.write_atomic(out, write, [])
+    assert [p.name for p in tmp_path.rglob("*")] == ["kept"]
+    outfile.write_atomic(out, lambda f: f.write(b"whole"), [])  # and a later write makes them
+    assert out.read_bytes() == b"whole"

@@ -61,16 +61,22 @@ def check_target(out: Path) -> None:
 def write_atomic(out: Path, write: Callable[[BinaryIO], None], done: list[Path]) -> None:
     """Write `out` with `write(file)`, atomically and synced; `done` gets `out` at the rename.
 
-    `Interrupted` (SIGINT or SIGTERM) before the rename: nothing is left and
-    `out` is as it was. OutputError when it cannot be written (nothing is left either).
+    `Interrupted` (SIGINT or SIGTERM) before the rename: nothing is left (no temporary file,
+    no folder this call created) and `out` is as it was. OutputError when it cannot be written
+    (nothing is left either).
     """
     out = out.resolve()
     tmp = out.with_name(f".{out.name}.{secrets.token_hex(6)}.tmp")
     try:
         with recorded_interrupts() as caught:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            # O_EXCL: the name is ours alone, so removing it below never removes another file.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            made = _make_folders(out.parent)
+            try:
+                # O_EXCL: the name is ours alone, so removing it below never removes another
+                # file.
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            except BaseException:
+                _remove_folders(made)
+                raise
             try:
                 with open(fd, "wb") as f:
                     write(f)
@@ -82,6 +88,7 @@ def write_atomic(out: Path, write: Callable[[BinaryIO], None], done: list[Path])
                 done.append(out)
             except BaseException:
                 tmp.unlink(missing_ok=True)
+                _remove_folders(made)
                 raise
             _sync_folder(out.parent)
     except OSError as e:
@@ -89,6 +96,37 @@ def write_atomic(out: Path, write: Callable[[BinaryIO], None], done: list[Path])
         where = f" ({e.filename})" if e.filename and Path(e.filename) not in (out, tmp) else ""
         why = e.strerror or str(e)
         raise OutputError(f"cannot write {out}{where}: {why}", user=e.errno in _PATH_ERRORS) from e
+
+
+def _make_folders(folder: Path) -> list[Path]:
+    """Create `folder` and its missing parents; returns the ones this call created, outermost
+    first. A failure part way removes those it created before raising."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    made: list[Path] = []
+    try:
+        for f in reversed(missing):
+            try:
+                f.mkdir()
+            except FileExistsError:  # another process made it meanwhile: not ours to remove
+                continue
+            made.append(f)
+    except BaseException:
+        _remove_folders(made)
+        raise
+    return made
+
+
+def _remove_folders(made: list[Path]) -> None:
+    """Remove the folders `_make_folders` created, innermost first, while they are empty (one
+    that another process wrote into stays, and so do its parents)."""
+    for f in reversed(made):
+        try:
+            f.rmdir()
+        except OSError:
+            return
 
 
 def _sync_folder(folder: Path) -> None:
