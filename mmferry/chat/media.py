@@ -56,13 +56,13 @@ def _frames_tensor(frames: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _video_file(
-    proc: Processor, part: MediaPart, layout: Layout, call: dict[str, Any]
+    proc: Processor, part: MediaPart, layout: Layout, call: dict[str, Any], threads: int | None
 ) -> MultimodalItem:
     from mmferry.preprocess.decode import read_source_bytes
     from mmferry.preprocess.video_decode import decode_frames, probe_video
 
     if not part.options:
-        return _checked(part, proc.video, part.source, layout, **call)
+        return _checked(part, proc.video, part.source, layout, **call, threads=threads)
     cfg, name = proc.config, part.where
     data = _checked(part, read_source_bytes, part.source, "video")
     if data is None:
@@ -84,7 +84,7 @@ def _video_file(
     frames = _checked(part, decode_frames, data, name, indices, check_size, lambda h, w: size, info)
     # The kept frames, already sampled and sized: the processor takes them all, as they are.
     item = _checked(
-        part, proc.video, frames, layout, num_frames=n, source_fps=info.fps, threads=call["threads"]
+        part, proc.video, frames, layout, num_frames=n, source_fps=info.fps, threads=threads
     )
     sample_fps = n / max(count, 1e-6) * info.fps
     return _retime(item, cfg.temporal_patch_size, indices, info.fps, sample_fps)
@@ -133,11 +133,10 @@ def build_item(
     `threads`: the processor's, see preprocess/threads.py)."""
     if part.modality == "image":
         return _image(proc, part, layout, threads)
-    call = {**call, "threads": threads}
     source = part.source
     if isinstance(source, (np.ndarray, torch.Tensor)) and source.ndim == 4:
         # A THWC array (or TCHW tensor) is a list of frames in one block.
         source = list(source)
     if isinstance(source, list):
         return _frame_list(proc, dataclasses.replace(part, source=source), layout, threads)
-    return _video_file(proc, part, layout, call)
+    return _video_file(proc, part, layout, call, threads)

@@ -72,22 +72,21 @@ def write_atomic(out: Path, write: Callable[[BinaryIO], None], done: list[Path])
             made = _make_folders(out.parent)
             try:
                 # O_EXCL: the name is ours alone, so removing it below never removes another
-                # file.
+                # file (and a failed open removes none).
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                try:
+                    with open(fd, "wb") as f:
+                        write(f)
+                        f.flush()
+                        os.fsync(f.fileno())  # on disk before the name points at them
+                    if caught:
+                        raise Interrupted(caught[0])
+                    os.replace(tmp, out)
+                    done.append(out)
+                except BaseException:
+                    tmp.unlink(missing_ok=True)
+                    raise
             except BaseException:
-                _remove_folders(made)
-                raise
-            try:
-                with open(fd, "wb") as f:
-                    write(f)
-                    f.flush()
-                    os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-                if caught:
-                    raise Interrupted(caught[0])
-                os.replace(tmp, out)
-                done.append(out)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
                 _remove_folders(made)
                 raise
             _sync_folder(out.parent)
