@@ -38,7 +38,7 @@ def test_check_refuses_items_out_of_order_and_a_cache_over_its_bound():
         return EncodedItem("image", rows, (), it.grid_thw, it.num_tokens, it.hash)
 
     everything = [expected.get(j) for j in range(len(w.datas))]
-    run = load.Run(rss_50=100, rss_end=100, cache_bytes=1000)
+    run = load.Run(cache_bytes=1000)
     run.responses[0] = [encoded(j) for j in request]
     load.check("in order", run, [request], everything, hashes=True, cache_bytes=1000)
     with pytest.raises(AssertionError, match="encoder cache holds"):

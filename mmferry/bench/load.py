@@ -158,7 +158,7 @@ def start(cmd: list[str], root: Path = ROOT) -> tuple[subprocess.Popen, str]:
 class Run:
     latencies: list[float] = field(default_factory=list)
     wall_s: float = 0.0
-    rss_50: int = 0
+    rss_quarter: int = 0  # at a quarter of the requests (at most the 50th)
     rss_end: int = 0
     cache_bytes: float | None = None  # the service's encoder cache at the end (/metrics)
     errors: list[str] = field(default_factory=list)
@@ -187,7 +187,7 @@ async def drive(url: str, pid: int, w: Workload) -> Run:
                 run.latencies.append(time.perf_counter() - t0)
                 done += 1
                 if done == mark:
-                    run.rss_50 = rss_bytes(pid)
+                    run.rss_quarter = rss_bytes(pid)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(len(w.seq))))
@@ -252,7 +252,7 @@ def measure(name: str, cmd: list[str], w: Workload, root: Path = ROOT) -> Run:
     print(
         f"  {name}: {len(w.seq) / r.wall_s:.2f} req/s, p50 {_pct(r.latencies, 50) * 1e3:.0f} ms, "
         f"p99 {_pct(r.latencies, 99) * 1e3:.0f} ms, {len(r.errors)} errors, RSS "
-        f"{r.rss_50 / 2**20:.0f} -> {r.rss_end / 2**20:.0f} MiB",
+        f"{r.rss_quarter / 2**20:.0f} -> {r.rss_end / 2**20:.0f} MiB",
         flush=True,
     )
     return r
@@ -327,7 +327,7 @@ def compare(
         for name in compared:
             ours = runs[w.name, name]
             rss = max(r.rss_end for r in ours)
-            grew = max((r.rss_end - r.rss_50) / r.rss_50 for r in ours)
+            grew = max((r.rss_end - r.rss_quarter) / r.rss_quarter for r in ours)
             note = f"RSS at most {rss / 2**20:.0f} MiB, at most {grew:+.0%} after a quarter"
             report.add(
                 harness.Figure.of_values(
