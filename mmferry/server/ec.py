@@ -4,26 +4,36 @@ An engine's connector (`mmferry.engines.vllm_connector`) asks, when it schedules
 whether the service holds that item's encoder output (`POST /v1/cache/lookup`), and a step
 later loads the rows (`POST /v1/cache/load`). Between the two the service's LRU could evict the
 entry and fail a request the engine already planned; so a lookup that answers "present" pins
-the entry: the service keeps a reference to its rows until they are loaded or a TTL passes,
-whatever the LRU does meanwhile. An absent entry is simply reported absent, and the engine
-encodes that item itself. `POST /v1/cache/encode` encodes parts like `/v1/encode` but answers
-only each item's facts (hash, grid, tokens, video timing) and pins the items for the engine
-that will ask.
+the entry for its caller: the service keeps a reference to its rows until that caller loads
+them or the pin's lifetime passes, whatever the LRU does meanwhile. The lifetime starts at the
+caller's first lookup of the item and a repeated lookup never extends it; the answer says how
+long is left (`pinned_s`), and a connector trusts "present" no longer than that, measured from
+when it sent the lookup. An absent entry is simply reported absent, and the engine encodes
+that item itself. `POST /v1/cache/encode` encodes parts like `/v1/encode` but answers only each
+item's facts (hash, grid, tokens, video timing) and pins the items for the engine that will ask;
+`held` false means the service could not keep an item's rows (larger than the cache, and the
+pins' budget full): send that item's pixels to the engine instead.
+
+The caller is the `X-Mmferry-Caller` header (an opaque id of up to 128 printable ASCII
+characters, the same from a connector's scheduler and worker), else the client's address.
 
 Bodies:
-    lookup  {"hashes": [h, ...]}                        -> {"present": [bool, ...]}
+    lookup  {"hashes": [h, ...]}
+            -> {"present": [bool, ...], "pinned_s": [seconds left, 0.0 when absent, ...]}
     load    {"hashes": [h, ...], "dtype": "float32", "response": "safetensors" | "shm"}
             -> safetensors with one tensor per hash (`[tokens, out * (1 + levels)]`, i.e.
-               `[main | ds0 | ds1 ...]`), or {"items": {h: shm handle}}; 404 naming what is gone
+               `[main | ds0 | ds1 ...]`), or {"items": {h: shm handle}}; 404 naming what is gone;
+               the caller's pins on them are released
     encode  as /v1/encode                               -> {"items": [facts, ...]}
-            facts: modality, hash, grid_thw, num_tokens, timestamps, second_per_grid_t
+            facts: modality, hash, grid_thw, num_tokens, timestamps, second_per_grid_t, held
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
-from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,75 +47,164 @@ log = logging.getLogger("mmferry.server")
 PIN_TTL_S = 60.0
 MAX_HASHES = 256  # per lookup or load request
 HASH_CHARS = 128
+MAX_PINS = 16_384  # pins held at once, all callers together
+CALLER_CHARS = 128
+# The caller of the pins /v1/cache/encode takes for the engine that will ask (a header's caller
+# is "id:...", an address's "addr:...": neither can be this).
+HANDOVER = "encode"
+
+
+@dataclass
+class _Held:
+    """One item's pinned rows and the deadline of each caller's pin."""
+
+    out: VisionOutput
+    nbytes: int
+    callers: dict[str, float] = field(default_factory=dict)
 
 
 class Pins:
-    """Entries a connector was told are present, held until loaded or `ttl_s` has passed.
+    """Rows callers were told are present, held per caller until loaded or `ttl_s` has passed.
 
-    Bounded by `max_bytes` of pinned rows beyond what the cache holds; past it a lookup answers
-    "absent" (the engine then encodes itself) rather than pinning more."""
+    A pin's deadline is fixed when its caller first looks the item up: a repeated lookup answers
+    the time left and never extends it, so no caller keeps rows for ever by asking again, and a
+    load releases only the loader's pins. Rows the cache still holds cost nothing; `max_bytes`
+    bounds the pinned rows it no longer holds (`used_bytes`). A pin on rows outside the cache
+    never outlives the pins already holding them, so callers cannot hand such rows on to one
+    another. Rows the cache evicts while pinned count from then on: past `max_bytes` plus one
+    cache's worth of them, a lookup pins only rows already pinned and answers "absent" for
+    others (the engine then encodes itself) until some lapse; the pinned rows outside the cache
+    stay under `max_bytes` plus twice the cache's capacity."""
 
-    def __init__(self, cache: EncoderCache, *, ttl_s: float = PIN_TTL_S, max_bytes: int) -> None:
+    def __init__(
+        self,
+        cache: EncoderCache,
+        *,
+        ttl_s: float = PIN_TTL_S,
+        max_bytes: int,
+        max_pins: int = MAX_PINS,
+    ) -> None:
         self.cache = cache
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
-        self.used_bytes = 0
-        self._pins: OrderedDict[str, tuple[float, VisionOutput, int]] = OrderedDict()
+        self.max_pins = max_pins
+        self._held: dict[str, _Held] = {}
+        self._count = 0
+        # (deadline, key, caller), oldest first; entries of released pins are skipped.
+        self._deadlines: list[tuple[float, str, str]] = []
 
     def __len__(self) -> int:
-        return len(self._pins)
+        """Pins held (one per caller and item)."""
+        return self._count
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of pinned rows the cache no longer holds: what `max_bytes` bounds."""
+        return sum(h.nbytes for k, h in self._held.items() if self.cache.peek(k) is not h.out)
+
+    def _release(self, key: str, caller: str) -> None:
+        held = self._held.get(key)
+        if held is not None and held.callers.pop(caller, None) is not None:
+            self._count -= 1
+            if not held.callers:
+                del self._held[key]
 
     def _expire(self, now: float) -> None:
-        while self._pins:
-            key, (deadline, _, nbytes) = next(iter(self._pins.items()))
-            if deadline > now:
-                break
-            del self._pins[key]
-            self.used_bytes -= nbytes
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, key, caller = heapq.heappop(self._deadlines)
+            held = self._held.get(key)
+            if held is not None and held.callers.get(caller) == deadline:
+                self._release(key, caller)
+        if len(self._deadlines) > 2 * self._count + 1024:  # released pins' entries pile up
+            self._deadlines = [
+                (d, k, c) for k, h in self._held.items() for c, d in h.callers.items()
+            ]
+            heapq.heapify(self._deadlines)
 
-    def pin(self, key: str, out: VisionOutput, now: float | None = None) -> bool:
-        """Hold `out` for `key` until taken or expired (a repeated pin extends the deadline)."""
+    def _pin(
+        self, key: str, caller: str, now: float, used: int, fresh: VisionOutput | None = None
+    ) -> tuple[float, int]:
+        """Pin `key` for `caller`: (seconds it stays pinned, 0.0 when not; `used` after it).
+        `fresh` is rows just encoded (the encode route's pin), which may be larger than the
+        cache."""
+        held = self._held.get(key)
+        if held is not None and caller in held.callers:
+            return held.callers[caller] - now, used  # fixed at the first lookup
+        cached = self.cache.peek(key)
+        if held is not None:
+            out, cost = held.out, 0  # already counted (or in the cache)
+        elif cached is not None:
+            out, cost = cached, 0
+        elif fresh is not None:
+            out = fresh
+            cost = sum(t.numel() * t.element_size() for t in (out.embeds, *out.deepstack))
+        else:
+            return 0.0, used
+        if self._count >= self.max_pins:
+            return 0.0, used
+        # New rows from the cache cost nothing now, but the cache may evict them while
+        # pinned: past one cache's worth of such rows, none are pinned until some lapse.
+        limit = self.max_bytes + (self.cache.capacity_bytes if cached is not None else 0)
+        if held is None and used + cost > limit:
+            return 0.0, used
+        if cached is not None or fresh is not None:
+            deadline = now + self.ttl_s
+        else:
+            # Rows only pins hold: a new pin ends with the last of them, so handing them from
+            # caller to caller never keeps them past the cache.
+            deadline = max(held.callers.values())
+        if held is None:
+            nbytes = sum(t.numel() * t.element_size() for t in (out.embeds, *out.deepstack))
+            held = self._held[key] = _Held(out, nbytes)
+        held.callers[caller] = deadline
+        self._count += 1
+        heapq.heappush(self._deadlines, (deadline, key, caller))
+        return deadline - now, used + cost
+
+    def lookup(self, keys: list[str], caller: str, now: float | None = None) -> list[float]:
+        """Seconds each key stays pinned for `caller` from now (0.0: absent, not pinned).
+        Rows pinned by the encode route pass to the first caller that looks them up."""
         now = time.monotonic() if now is None else now
         self._expire(now)
-        old = self._pins.pop(key, None)
-        if old is not None:
-            self.used_bytes -= old[2]
-        nbytes = sum(t.numel() * t.element_size() for t in (out.embeds, *out.deepstack))
-        if self.used_bytes + nbytes > self.max_bytes:
-            return False
-        self._pins[key] = (now + self.ttl_s, out, nbytes)
-        self.used_bytes += nbytes
-        return True
-
-    def lookup(self, keys: list[str], now: float | None = None) -> list[bool]:
-        """Whether each key is held; every held one is pinned."""
-        now = time.monotonic() if now is None else now
-        self._expire(now)
-        present = []
+        used = self.used_bytes
+        answer = []
         for key in keys:
-            held = self._pins.get(key)
-            out = held[1] if held is not None else self.cache.peek(key)
-            present.append(out is not None and self.pin(key, out, now))
-        return present
+            left, used = self._pin(key, caller, now, used)
+            answer.append(left)
+            held = self._held.get(key)
+            if left > 0 and held is not None and caller != HANDOVER:
+                self._release(key, HANDOVER)
+        return answer
 
-    def take_all(self, keys: list[str], now: float | None = None) -> dict[str, VisionOutput]:
-        """Every key's rows, releasing their pins; KeyError naming the missing ones, and then
-        nothing is released (the engine will encode those items, or retry)."""
+    def hold(self, key: str, out: VisionOutput, now: float | None = None) -> bool:
+        """Pin freshly encoded rows for the engine that will ask; whether the service holds
+        them (cached or pinned) for a later load."""
         now = time.monotonic() if now is None else now
         self._expire(now)
-        gone = [k for k in keys if k not in self._pins and self.cache.peek(k) is None]
+        left, _ = self._pin(key, HANDOVER, now, self.used_bytes, fresh=out)
+        return left > 0 or self.cache.peek(key) is not None
+
+    def take_all(
+        self, keys: list[str], caller: str, now: float | None = None
+    ) -> dict[str, VisionOutput]:
+        """Every key's rows, releasing `caller`'s pins on them (and the encode route's);
+        KeyError naming the missing ones, and then nothing is released (the engine will encode
+        those items, or retry)."""
+        now = time.monotonic() if now is None else now
+        self._expire(now)
+        rows = {}
+        for key in dict.fromkeys(keys):
+            held = self._held.get(key)
+            out = held.out if held is not None else self.cache.peek(key)
+            if out is not None:
+                rows[key] = out
+        gone = [k for k in keys if k not in rows]
         if gone:
             raise KeyError(gone)
-        return {k: self.take(k, now) for k in dict.fromkeys(keys)}
-
-    def take(self, key: str, now: float | None = None) -> VisionOutput | None:
-        """The rows for `key` (pinned, else cached), releasing its pin."""
-        self._expire(time.monotonic() if now is None else now)
-        held = self._pins.pop(key, None)
-        if held is not None:
-            self.used_bytes -= held[2]
-            return held[1]
-        return self.cache.peek(key)
+        for key in rows:
+            self._release(key, caller)
+            self._release(key, HANDOVER)
+        return rows
 
 
 def packed(out: VisionOutput, dtype: torch.dtype) -> torch.Tensor:
@@ -126,6 +225,18 @@ def _hashes(body: Any) -> list[str]:
             413, "too_large", f"{len(hashes)} hashes in one request; at most {MAX_HASHES}"
         )
     return hashes
+
+
+def caller_of(request: Any) -> str:
+    """Whose pins a request sees: `X-Mmferry-Caller`, else the client's address."""
+    given = request.headers.get("x-mmferry-caller", "").strip()
+    if given:
+        if len(given) > CALLER_CHARS or not given.isascii() or not given.isprintable():
+            msg = f"X-Mmferry-Caller must be up to {CALLER_CHARS} printable ASCII characters"
+            raise RequestError(422, "bad_request", msg)
+        return "id:" + given
+    client = request.client
+    return "addr:" + (client.host if client is not None else "?")
 
 
 def facts(item: Any) -> dict[str, Any]:
@@ -178,9 +289,11 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
     async def lookup(request: Any) -> Any:
         try:
             hashes = _hashes(await admitted(request))
+            caller = caller_of(request)
         except RequestError as e:
             return refused(e)
-        return {"present": pins.lookup(hashes)}
+        left = pins.lookup(hashes, caller)
+        return {"present": [s > 0 for s in left], "pinned_s": [round(s, 3) for s in left]}
 
     async def load(request: Any) -> Any:
         try:
@@ -193,8 +306,9 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
             local = request.client is not None and request.client.host in LOCAL_HOSTS
             if shm and not service.can_share(local):
                 raise RequestError(422, "bad_request", "shm responses need a same-host client")
+            caller = caller_of(request)
             try:
-                outs = pins.take_all(hashes)
+                outs = pins.take_all(hashes, caller)
             except KeyError as e:
                 msg = f"not held (evicted or never seen): {e.args[0]}"
                 raise RequestError(404, "not_found", msg) from None
@@ -229,9 +343,8 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
             return refused(RequestError(500, "internal", f"{type(e).__name__}: {e}"))
         finally:
             state.in_flight -= 1
-        for it, out in zip(items, outs):
-            pins.pin(it.hash, out)
-        return {"items": [facts(it) for it in items]}
+        held = {it.hash: pins.hold(it.hash, out) for it, out in zip(items, outs)}
+        return {"items": [{**facts(it), "held": held[it.hash]} for it in items]}
 
     for route in (lookup, load, encode):
         # NOTE: as in app.py, FastAPI needs the real class to hand the raw request over.

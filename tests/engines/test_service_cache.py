@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import time
 
 import httpx
 import pytest
@@ -27,27 +28,90 @@ def test_pin_outlives_eviction_until_taken():
     cache = EncoderCache(capacity_bytes=64)  # room for one 2-row entry with its deepstack
     cache.put("a", out(2, 1.0))
     pins = Pins(cache, ttl_s=10.0, max_bytes=1 << 20)
-    assert pins.lookup(["a", "b"], now=0.0) == [True, False]
+    assert pins.lookup(["a", "b"], "e1", now=0.0) == [10.0, 0.0]
     cache.put("c", out(2, 3.0))  # evicts "a" from the LRU
-    assert cache.peek("a") is None
-    taken = pins.take("a", now=1.0)
-    assert taken is not None and float(taken.embeds[0, 0]) == 1.0
-    assert pins.take("a", now=1.0) is None and len(pins) == 0 and pins.used_bytes == 0
-    pins.lookup(["c"], now=2.0)
+    assert cache.peek("a") is None and pins.used_bytes == 64
+    taken = pins.take_all(["a"], "e1", now=1.0)["a"]
+    assert float(taken.embeds[0, 0]) == 1.0
+    assert len(pins) == 0 and pins.used_bytes == 0
     with pytest.raises(KeyError):
-        pins.take_all(["c", "gone"], now=2.0)
+        pins.take_all(["a"], "e1", now=1.0)
+    pins.lookup(["c"], "e1", now=2.0)
+    with pytest.raises(KeyError):
+        pins.take_all(["c", "gone"], "e1", now=2.0)
     assert len(pins) == 1  # a failed load releases nothing
-    assert set(pins.take_all(["c", "c"], now=2.0)) == {"c"} and len(pins) == 0
+    assert set(pins.take_all(["c", "c"], "e1", now=2.0)) == {"c"} and len(pins) == 0
+
+
+def test_pin_deadline_is_fixed_at_the_first_lookup_per_caller():
+    cache = EncoderCache(capacity_bytes=1 << 20)
+    cache.put("a", out(2, 1.0))
+    pins = Pins(cache, ttl_s=60.0, max_bytes=0)
+    assert pins.lookup(["a"], "e1", now=0.0) == [60.0]
+    assert pins.lookup(["a"], "e1", now=50.0) == [10.0]  # a repeat never extends it
+    assert pins.lookup(["a"], "e2", now=50.0) == [60.0]  # another caller's own pin
+    cache._drop("a")
+    assert pins.lookup(["a"], "e2", now=55.0) == [55.0]
+    # A load releases the loader's pin only; the other caller's still holds the rows.
+    assert set(pins.take_all(["a"], "e2", now=56.0)) == {"a"} and len(pins) == 1
+    assert pins.lookup(["a"], "e1", now=59.0) == [1.0]
+    assert pins.lookup(["a"], "e1", now=60.0) == [0.0] and len(pins) == 0
 
 
 def test_pin_expires_and_is_bounded():
-    cache = EncoderCache(capacity_bytes=1 << 20)
+    """The budget bounds pinned rows the cache no longer holds; rows still cached cost
+    nothing. A pin on rows only pins hold ends with them: passing the rows from caller to
+    caller never keeps them alive."""
+    cache = EncoderCache(capacity_bytes=128)  # two 2-row entries
     cache.put("a", out(2, 1.0))
     cache.put("b", out(2, 2.0))
     pins = Pins(cache, ttl_s=5.0, max_bytes=64)  # one entry's worth
-    assert pins.lookup(["a", "b"], now=0.0) == [True, False]  # "b" would pass the bound
-    cache._drop("a")
-    assert pins.take("a", now=6.0) is None  # expired: the pin no longer holds it
+    assert pins.lookup(["a", "b"], "e1", now=0.0) == [5.0, 5.0]  # cached: free
+    assert pins.used_bytes == 0
+    cache.put("c", out(2, 3.0))
+    cache.put("d", out(2, 4.0))
+    assert pins.used_bytes == 128  # evicted while pinned: counted from now on
+    assert pins.lookup(["c", "d"], "e2", now=1.0) == [5.0, 5.0]  # within one cache's worth
+    cache.put("e", out(2, 5.0))
+    cache.put("f", out(2, 6.0))
+    assert pins.used_bytes == 256  # past max_bytes and a cache's worth ...
+    assert pins.lookup(["e"], "e2", now=2.0) == [0.0]  # ... so no new rows are pinned
+    assert pins.lookup(["a"], "e2", now=2.0) == [3.0]  # ones already pinned cost nothing
+    assert pins.lookup(["a"], "e3", now=4.0) == [1.0]  # and end with their first pin
+    assert pins.lookup(["a", "b"], "e3", now=5.0) == [0.0, 0.0]
+    assert pins.used_bytes == 128 and len(pins) == 2
+    assert pins.lookup(["e"], "e2", now=5.0) == [5.0]
+    assert pins.lookup(["c", "d", "e"], "e2", now=6.0) == [0.0, 0.0, 4.0]
+    assert pins.used_bytes == 0 and len(pins) == 1
+    # The encode route's pin: rows the cache cannot take are held within max_bytes only.
+    assert not pins.hold("big", out(4, 9.0), now=6.0)  # 128 bytes with its deepstack
+    assert pins.hold("f", cache.peek("f"), now=6.0)
+    assert pins.hold("small", out(2, 8.0), now=6.0) and pins.used_bytes == 64
+    assert not pins.hold("small2", out(2, 8.0), now=6.0)
+    # The first caller to look it up takes the encode route's pin over.
+    assert pins.lookup(["small"], "e1", now=7.0) == [4.0] and len(pins) == 3
+
+
+def test_a_caller_looking_up_every_50_s_keeps_nothing_for_ever_and_starves_nobody():
+    """One key holder pins everything it can and repeats its lookups every 50 s, under a
+    fresh caller id each time too: its pins lapse 60 s after the first lookup, the rows the
+    cache dropped go with them, and the other callers' lookups of cached rows are answered
+    "present" all along."""
+    cache = EncoderCache(capacity_bytes=64 * 8)
+    mine = [f"m{i}" for i in range(8)]
+    for i, key in enumerate(mine):
+        cache.put(key, out(2, float(i)))
+    pins = Pins(cache, ttl_s=60.0, max_bytes=64)
+    assert all(s == 60.0 for s in pins.lookup(mine, "attacker", now=0.0))
+    for i in range(8):  # the others' traffic evicts them all while pinned
+        cache.put(f"o{i}", out(2, 100.0 + i))
+    for t in (50.0, 55.0, 59.0):
+        for caller in ("attacker", f"attacker-{t}"):
+            assert all(0.0 < s <= 60.0 - t for s in pins.lookup(mine, caller, now=t))
+        # Another caller's cached rows: present, pinned for the full TTL.
+        assert pins.lookup([f"o{int(t) % 8}"], "engine", now=t) == [60.0]
+    assert pins.lookup(mine, "attacker", now=60.0) == [0.0] * 8
+    assert pins.lookup(mine, "attacker-again", now=100.0) == [0.0] * 8
     assert pins.used_bytes == 0
 
 
@@ -72,6 +136,7 @@ def test_client_loads_packed_rows(service, models, shm):
     (facts,) = httpx.post(f"{service.url}/v1/cache/encode", json=body, timeout=60).json()["items"]
     client = CacheClient(service.url, None, 30.0, shm)
     try:
+        assert facts["held"] is True
         assert client.lookup([facts["hash"], "never-seen"]) == [True, False]
         rows = client.load([facts["hash"]], torch.float32)[facts["hash"]]
         ref = m.enc([m.proc.image(pixels)])[0]
@@ -82,6 +147,52 @@ def test_client_loads_packed_rows(service, models, shm):
             client.load(["never-seen"], torch.float32)
     finally:
         client.close()
+
+
+def test_lookup_answers_each_callers_pin_lifetime(service):
+    """Over HTTP: `pinned_s` counts down from the caller's first lookup (a repeat never
+    extends it), another caller (X-Mmferry-Caller) gets a pin of its own, a load by one caller
+    leaves the other's, and an unusable caller id is a 422."""
+    body = {"content": [image_part(png(image(48, 64, 11)))]}
+    (facts,) = httpx.post(f"{service.url}/v1/cache/encode", json=body, timeout=60).json()["items"]
+    assert facts["held"] is True
+    h = facts["hash"]
+
+    def lookup(caller: str) -> dict:
+        r = httpx.post(
+            f"{service.url}/v1/cache/lookup",
+            json={"hashes": [h, "never-seen"]},
+            headers={"X-Mmferry-Caller": caller},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = lookup("engine-a")
+    assert first["present"] == [True, False] and first["pinned_s"][1] == 0.0
+    assert 55.0 < first["pinned_s"][0] <= 60.0
+    time.sleep(1.2)
+    again = lookup("engine-a")
+    assert again["pinned_s"][0] <= first["pinned_s"][0] - 1.0  # not extended
+    other = lookup("engine-b")
+    assert other["pinned_s"][0] > again["pinned_s"][0] + 1.0  # its own, from now
+    r = httpx.post(
+        f"{service.url}/v1/cache/load",
+        json={"hashes": [h], "dtype": "float32"},
+        headers={"X-Mmferry-Caller": "engine-b"},
+        timeout=30,
+    )
+    assert r.status_code == 200
+    # engine-a's pin is its own: still counting down from its first lookup.
+    assert lookup("engine-a")["pinned_s"][0] <= again["pinned_s"][0]
+    for bad in ("x" * 200, "caf\u00e9"):
+        r = httpx.post(
+            f"{service.url}/v1/cache/lookup",
+            json={"hashes": [h]},
+            headers={"X-Mmferry-Caller": bad.encode("latin-1")},
+            timeout=30,
+        )
+        assert r.status_code == 422, (bad, r.status_code, r.text)
 
 
 def test_cache_routes_ask_for_the_api_key(models):
