@@ -13,9 +13,12 @@ from typing import Any
 
 import torch
 
+from mmferry.embed.packed import packed_rows
 from mmferry.embed.step import Precomputed
 from mmferry.encoder.model import VisionOutput
 from mmferry.items import MultimodalItem
+
+__all__ = ["EngineItem", "engine_items", "packed_rows"]
 
 
 @dataclass(frozen=True)
@@ -47,23 +50,6 @@ class EngineItem:
             )
         if self.timestamps is not None and len(self.timestamps) != t:
             raise ValueError(f"{len(self.timestamps)} timestamps for {t} temporal patches")
-
-
-def packed_rows(
-    embeds: torch.Tensor, deepstack: Sequence[torch.Tensor] = (), dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """`[main | ds0 | ds1 ...]` along the last dim, cast to `dtype`, in one allocation."""
-    parts = (embeds, *deepstack)
-    n, width = embeds.shape
-    for k, d in enumerate(deepstack):
-        if d.shape != embeds.shape:
-            raise ValueError(f"deepstack {k} has shape {tuple(d.shape)}, embeds {(n, width)}")
-    if not deepstack and (dtype is None or dtype == embeds.dtype):
-        return embeds
-    out = torch.empty(n, width * len(parts), dtype=dtype or embeds.dtype, device=embeds.device)
-    for k, part in enumerate(parts):
-        out[:, k * width : (k + 1) * width].copy_(part)  # the cast happens in this one copy
-    return out
 
 
 def _one(item: Any, output: Any, grid: Any, dtype: torch.dtype | None) -> EngineItem:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from mmferry.embed.cache import EncoderCache
+from mmferry.embed.packed import packed_rows
 from mmferry.encoder.model import VisionOutput
 from mmferry.server.bodies import LOCAL_HOSTS, check_caller, parse_json, read_body
 from mmferry.server.limits import RequestError
@@ -209,8 +210,6 @@ class Pins:
 
 def packed(out: VisionOutput, dtype: torch.dtype) -> torch.Tensor:
     """`[main | ds0 | ds1 ...]` in `dtype`, the layout engines take."""
-    from mmferry.engines.rows import packed_rows
-
     return packed_rows(out.embeds, out.deepstack, dtype).contiguous()
 
 
