@@ -6,16 +6,14 @@ resize (a torch op), patch rows (the compiled kernel, called through ctypes) and
 a descheduled thread delays only its own item (no barrier to spin at, unlike intra-op threads,
 see threads.py).
 
-Scheduling, within `threads` threads in all:
-- items start largest first (their size read from the header, videos first), so the last to
-  finish is a small item and no core idles behind one large one at the end;
-- an item gets `threads // (items not yet finished)` threads when it starts (at least one): a
-  batch of fewer items than threads splits each item's own resize and gather, as a single
-  `proc.image(..., threads=n)` does, and the sum over running items never exceeds `threads`;
-- the key is hashed on the item's own thread (no `alongside` thread): the other items keep the
-  cores busy, and the thread count stays within `threads`.
-The host buffer cache is sized for the items in flight (`buffers.ensure_host_cache`), so
-parallel items reuse recycled pages instead of faulting fresh ones.
+Scheduling is the service's too (scheduler.py): items start largest first (their size read
+from the header, videos first), so the last to finish is a small item; an item takes
+`threads // (items not yet finished)` of the free threads when it starts (at least one), so a
+batch of fewer items than threads splits each item's own resize and gather, as a single
+`proc.image(..., threads=n)` does, and the threads running at once never exceed `threads`; the
+key is hashed on the item's own thread (no `alongside` thread); each running item asks the host
+buffer cache for its own bytes, so parallel items reuse recycled pages instead of faulting
+fresh ones.
 
 Errors name the item's index (`ItemError`). By default the first failure stops the batch:
 items not yet started are skipped, running ones finish, and the error of the lowest failed
@@ -25,7 +23,6 @@ one's place holds its `ItemError`, so one bad item does not lose the others.
 
 from __future__ import annotations
 
-import io
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -33,15 +30,12 @@ from dataclasses import dataclass
 from functools import partial as partial_fn
 from typing import Any, Literal, TypeVar, overload
 
-from PIL import Image
-
 from mmferry.config import ProcessorConfig
 from mmferry.env import Env
 from mmferry.items import Layout, MultimodalItem
-from mmferry.preprocess.buffers import ensure_host_cache
 from mmferry.preprocess.image import check_layout, process_image
-from mmferry.preprocess.resize import smart_resize
-from mmferry.preprocess.threads import intra_op_threads, no_extra_thread, preprocess_threads
+from mmferry.preprocess.scheduler import Scheduler, source_bytes
+from mmferry.preprocess.threads import preprocess_threads
 from mmferry.preprocess.video import process_video
 
 
@@ -90,49 +84,12 @@ def batch_threads(threads: int | None) -> int:
     return max(1, len(cores) if cores else os.cpu_count() or 1)
 
 
-def _header_size(source: Any) -> tuple[int, int] | None:
-    """(height, width) of an image source, from its header where it has one; None if unknown
-    (a file-like object is not read twice; a bad source fails later, when it runs)."""
-    try:
-        if isinstance(source, Image.Image):
-            return source.height, source.width
-        if isinstance(source, (bytes, bytearray, memoryview)):
-            with Image.open(io.BytesIO(source)) as im:
-                return im.height, im.width
-        if isinstance(source, (str, os.PathLike)):
-            with Image.open(source) as im:
-                return im.height, im.width
-        shape = getattr(source, "shape", None)
-        if shape is not None and len(shape) == 3:
-            # HWC arrays, CHW tensors
-            return (shape[0], shape[1]) if not hasattr(source, "permute") else tuple(shape[1:])
-    except Exception:  # noqa: BLE001 - any unreadable source is reported when it is processed
-        return None
-    return None
-
-
 def item_bytes(part: Part, cfg: ProcessorConfig, layout: Layout) -> int | None:
-    """Host buffer bytes an image item holds while it runs (decode, resize, rows); None for
-    videos and unknown sizes."""
+    """Host buffer bytes an image item holds while it runs (scheduler.py); None for videos,
+    unknown sizes and sizes over the decode limit."""
     if not isinstance(part, ImagePart):
         return None
-    size = _header_size(part.source)
-    if size is None:
-        return None
-    h, w = size
-    try:
-        rh, rw = smart_resize(
-            h,
-            w,
-            factor=cfg.factor,
-            min_pixels=cfg.image_min_pixels,
-            max_pixels=cfg.image_max_pixels,
-        )
-    except ValueError:
-        return None
-    row_bytes = 4 * cfg.temporal_patch_size * 3 if layout == "hf" else 3
-    # Decoded pixels (4 bytes each for a JPEG), resized pixels (4 bytes), then the rows.
-    return 4 * h * w + 4 * rh * rw + row_bytes * rh * rw
+    return source_bytes(part.source, cfg, layout)
 
 
 def _run_part(part: Part, cfg: ProcessorConfig, layout: Layout, threads: int) -> MultimodalItem:
@@ -149,42 +106,6 @@ def _run_part(part: Part, cfg: ProcessorConfig, layout: Layout, threads: int) ->
     return process_image(part.source, cfg, layout=layout, threads=threads)
 
 
-class _Schedule:
-    """Which item a worker runs next and on how many threads (see the module docstring)."""
-
-    def __init__(self, order: list[int], threads: int, stop_on_error: bool) -> None:
-        self._lock = threading.Lock()
-        self._order = order
-        self._next = 0
-        self._running = 0
-        self._threads = threads
-        self._stop_on_error = stop_on_error
-        self.stopped = False
-
-    def take(self) -> tuple[int, int] | None:
-        """(item index, its threads), or None when nothing is left to start."""
-        with self._lock:
-            if self.stopped or self._next == len(self._order):
-                return None
-            index = self._order[self._next]
-            self._next += 1
-            self._running += 1
-            unfinished = self._running + len(self._order) - self._next
-            # NOTE: `unfinished` only falls, so items started earlier hold no more than this
-            # share each, and the shares of the running items add up to at most `threads`.
-            return index, max(1, self._threads // unfinished)
-
-    def stop(self) -> None:
-        """Nothing more starts (an interrupt)."""
-        self.stopped = True
-
-    def done(self, failed: bool) -> None:
-        with self._lock:
-            self._running -= 1
-            if failed and self._stop_on_error:
-                self.stopped = True
-
-
 def run_jobs(
     jobs: Sequence[Callable[[int], T]],
     sizes: Sequence[int | None],
@@ -193,37 +114,35 @@ def run_jobs(
     stop_on_error: bool,
 ) -> list[T | BaseException | None]:
     """`jobs[i](its threads)` for every i, whole jobs on up to `threads` threads, largest
-    `sizes` first (None: before all); each place holds the job's result or the exception it
-    raised (None: not started, after an error with `stop_on_error`)."""
+    `sizes` first (None: before all), by the scheduler's rules; each place holds the job's
+    result or the exception it raised (None: not started, after an error with
+    `stop_on_error`)."""
     results: list[T | BaseException | None] = [None] * len(jobs)
     if not jobs:
         return results
-    # Largest first; videos and unknown sizes before all: they are usually the longest.
-    order = sorted(range(len(jobs)), key=lambda i: -(1 << 62 if sizes[i] is None else sizes[i]))
-    schedule = _Schedule(order, threads, stop_on_error)
+    schedule = Scheduler(threads)
+    for i, job in enumerate(jobs):
+        schedule.put(job, group=0, size=sizes[i], tag=i)
+    schedule.close()
     fatal: list[BaseException] = []
 
     def worker() -> None:
-        while (job := schedule.take()) is not None:
-            index, share = job
+        while (started := schedule.take()) is not None:
             failed = True
             try:
-                with intra_op_threads(share), no_extra_thread():
-                    results[index] = jobs[index](share)
+                results[started.tag] = schedule.run(started)
                 failed = False
             except Exception as e:  # noqa: BLE001 - the job's own failure, kept at its index
-                results[index] = e
+                results[started.tag] = e
             except BaseException as e:  # KeyboardInterrupt, SystemExit: the whole batch stops
                 fatal.append(e)
                 schedule.stop()
             finally:
-                schedule.done(failed)
+                schedule.done(started)
+                if failed and stop_on_error:
+                    schedule.stop()
 
-    workers = min(threads, len(jobs))
-    # The items in flight at once hold their buffers together: the cache keeps that many.
-    known = sorted((s for s in sizes if s is not None), reverse=True)
-    with ensure_host_cache(sum(known[:workers])):
-        _run_workers(worker, workers, schedule.stop)
+    _run_workers(worker, min(threads, len(jobs)), schedule.stop)
     if fatal:
         raise fatal[0]
     return results
@@ -281,7 +200,7 @@ def process_batch(
     return results  # type: ignore[return-value]
 
 
-def _run_workers(worker: Callable[[], None], count: int, stop: Callable[[], None]) -> None:
+def _run_workers(worker: Callable[[], None], count: int, stop: Callable[[], object]) -> None:
     """`worker` on `count` threads, the calling thread one of them; returns when all end.
 
     An interrupt (Ctrl-C) in the calling thread calls `stop` and is raised only once every

@@ -21,12 +21,12 @@ task with no barrier to spin at (blake3 releases the GIL for the whole buffer), 
 descheduled hash thread delays only the join, never the gather; items under
 `PARALLEL_MIN_BYTES` are hashed inline, and no thread outlives the call.
 
-A batch (batch.py) runs whole items on its threads instead and turns the exception off on
-them (`no_extra_thread`): the other items keep the cores busy, and its thread count stays
-within its `threads`. torch's intra-op count is per thread under OpenMP (a worker starts at
-the default, not the caller's), so each worker sets its own. The service's pool
-(item_pool.py) runs a job's own torch ops on one thread and passes its share as the item's
-`threads`: its threads live on, and one that ran an OpenMP team keeps that team.
+A batch (batch.py) and the service's pool (item_pool.py) run whole items on their threads
+instead, by one scheduler (scheduler.py): each job runs its own torch ops on one intra-op
+thread, with the exception turned off (`no_extra_thread`), and sizes its resize and gather by
+the share of threads it holds, so their thread count stays within their `threads`. torch's
+intra-op count is per thread under OpenMP (a worker starts at the default, not the caller's),
+so each job sets its own.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import mmferry as mf
@@ -20,10 +21,12 @@ from mmferry.items import MultimodalItem
 from mmferry.preprocess import batch as batch_mod
 from mmferry.preprocess import buffers as buffers_mod
 from mmferry.preprocess import image as image_mod
+from mmferry.preprocess import scheduler as scheduler_mod
 from mmferry.preprocess.batch import ImagePart, ItemError, VideoPart
 
 from . import reference as ref
 from .conftest import encode, gradient
+from .running import RunningThreads
 
 PROC = mf.Processor.for_model("qwen3-vl")
 # All-distinct sizes, from below the minimum pixels (upscaled) to a resized 1.3 MP image.
@@ -189,6 +192,24 @@ def test_threads_stay_within_the_bound(monkeypatch, threads, n_items):
     assert threading.active_count() == before  # no thread outlives the call
 
 
+@pytest.mark.parametrize(("threads", "n_items"), [(3, 7), (4, 2), (4, 5)])
+def test_threads_running_at_once_stay_within_the_batch(threads, n_items):
+    running = RunningThreads()
+    seen: list[tuple[int, int]] = []
+
+    def job(share: int) -> int:
+        seen.append((share, torch.get_num_threads()))
+        return running.job(share, threading.Event(), 0.05)
+
+    out = batch_mod.run_jobs([job] * n_items, [None] * n_items, threads, stop_on_error=True)
+    assert len(out) == n_items and running.peak <= threads
+    # The job sizes its own parallel work from its share; torch ops it does not size run on
+    # one intra-op thread, as on the service's pool (scheduler.py).
+    assert {intra_op for _, intra_op in seen} == {1}
+    if n_items < threads:
+        assert min(share for share, _ in seen) >= threads // n_items
+
+
 def test_threads_default_to_the_cores(monkeypatch):
     monkeypatch.delenv("MMFERRY_PREPROCESS_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
@@ -219,7 +240,7 @@ def test_cache_holds_the_items_in_flight():
         assert cache.limit_bytes == own
 
 
-def test_batch_asks_the_cache_for_the_largest_items_in_flight(monkeypatch):
+def test_each_running_item_asks_the_cache_for_its_own_bytes(monkeypatch):
     asked: list[int] = []
     real = buffers_mod.ensure_host_cache
 
@@ -227,7 +248,7 @@ def test_batch_asks_the_cache_for_the_largest_items_in_flight(monkeypatch):
         asked.append(nbytes)
         return real(nbytes)
 
-    monkeypatch.setattr(batch_mod, "ensure_host_cache", recording)
+    monkeypatch.setattr(scheduler_mod, "ensure_host_cache", recording)
     jpegs = _jpegs()
     PROC.images(jpegs, layout="hf", threads=2)
     cfg = PROC.config
@@ -241,7 +262,8 @@ def test_batch_asks_the_cache_for_the_largest_items_in_flight(monkeypatch):
             max_pixels=cfg.image_max_pixels,
         )
         per_item.append(4 * h * w + 4 * rh * rw + 24 * rh * rw)
-    assert asked == [sum(sorted(per_item)[-2:])]
+    # Each item its own bytes, once (concurrent asks add up in the cache).
+    assert sorted(asked) == sorted(per_item)
 
 
 def test_an_interrupt_while_waiting_is_raised_once_every_item_ended():

@@ -15,6 +15,7 @@ from mmferry.preprocess import buffers
 from mmferry.preprocess.item_pool import ItemPool
 
 from .conftest import encode, gradient
+from .running import RunningThreads
 
 PROC = mf.Processor.for_model("qwen3-vl")
 
@@ -75,21 +76,40 @@ def test_callers_first_come_first_served_and_largest_first():
     assert ran == ["early big", "early small", "late ?", "late small"]
 
 
-def test_an_item_gets_the_threads_the_unfinished_items_leave():
+def test_threads_running_at_once_stay_within_the_pool_when_items_arrive():
+    """A lone item gets every thread; items arriving while it runs must not add threads of
+    their own on top (a 4-thread pool ran 7: shares [4, 1, 1, 1])."""
     pool = ItemPool(4)
+    running = RunningThreads()
+    lone_started, others_started = threading.Event(), threading.Event()
+    started: list[int] = []
+
+    def lone(share: int) -> tuple[int, int]:
+        lone_started.set()
+        intra_op = torch.get_num_threads()
+        # Holds its threads until the later items run beside it (or 1.5 s).
+        running.job(share, others_started, 1.5)
+        return share, intra_op
+
+    def later(share: int) -> int:
+        with running.lock:
+            started.append(share)
+            if len(started) == 3:
+                others_started.set()
+        return running.job(share, threading.Event(), 0.05)
+
     try:
-        alone = pool.submit(lambda t: (t, torch.get_num_threads()), group=0, size=None)
+        alone = pool.submit(lone, group=0, size=None)
+        assert lone_started.wait(10)
+        queued = [pool.submit(later, group=1, size=None) for _ in range(3)]
         # A lone item is given every thread to split its own work; torch ops it does not size
         # itself run on one.
         assert alone.result(10) == (4, 1)
-        release = _held(pool)
-        queued = [pool.submit(lambda t: t, group=1, size=None) for _ in range(6)]
-        release.set()
         shares = [f.result(10) for f in queued]
-        # At most 4 threads in use at once: each share is 4 // (items not yet finished).
-        assert shares[0] == 1 and max(shares) <= 4
     finally:
         pool.shutdown()
+    assert min(shares) >= 1
+    assert running.peak <= 4, f"{running.peak} threads ran at once on a 4-thread pool"
 
 
 def test_a_cancelled_item_never_runs_and_a_failed_one_keeps_the_pool():
