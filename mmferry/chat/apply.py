@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from mmferry.chat.media import build_item
+from mmferry.chat.media import Configured, build_item
 from mmferry.chat.parts import (
     LIBRARY_POLICY,
     MediaPart,
@@ -26,12 +26,32 @@ from mmferry.chat.template import pick_template, render
 from mmferry.items import Layout, MultimodalItem
 
 if TYPE_CHECKING:
-    from mmferry.processor import Processor
     from mmferry.prompt.expand import ExpandedPrompt
     from mmferry.prompt.mrope import Advance
+    from mmferry.prompt.tokenizer import TimestampTokenizer
 
 # Per-call video options that transformers' apply_chat_template turns into sampling.
 _CALL_VIDEO = ("fps", "num_frames")
+
+
+class ChatProcessor(Configured, Protocol):
+    """What `apply_chat_template` needs of a processor (`mmferry.Processor` is one): chat is a
+    stage the processor calls, so it names what it uses rather than importing the processor."""
+
+    @property
+    def chat_template(self) -> str | dict[str, str] | None: ...
+
+    @property
+    def special_tokens(self) -> dict[str, str]: ...
+
+    @property
+    def tokenizer(self) -> TimestampTokenizer: ...
+
+    def with_options(self, options: dict[str, Any]) -> ChatProcessor: ...
+
+    def expand_prompt(
+        self, input_ids: Sequence[int], items: Sequence[MultimodalItem], *, mrope_advance: Advance
+    ) -> ExpandedPrompt: ...
 
 
 @dataclass(frozen=True)
@@ -106,7 +126,7 @@ def _template_error(render_fn: Any, messages: list[dict[str, Any]], error: Excep
 
 
 def apply_chat_template(
-    proc: Processor,
+    proc: ChatProcessor,
     messages: Sequence[Mapping[str, Any]],
     chat_template: str | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
@@ -165,7 +185,7 @@ def apply_chat_template(
 
 
 def _build_items(
-    proc: Processor,
+    proc: ChatProcessor,
     media: list[MediaPart],
     layout: Layout,
     call: dict[str, Any],

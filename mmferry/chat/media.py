@@ -3,31 +3,36 @@
 - An image or a video file with no per-item keys is processed as transformers' processor does
   (the checkpoint's settings, the call's `fps` / `num_frames`).
 - With qwen-vl-utils keys, and always for a list of frames (qwen-vl-utils' own form), sizes,
-  frame counts and frame times are qwen-vl-utils' (`mmferry.chat.qwen_keys`), then the
-  checkpoint's size rule applies, as transformers' processor applies it to
-  `process_vision_info`'s output. The pixels are resized once, from the source.
+  frame counts and frame times are qwen-vl-utils' (`mmferry.chat.qwen_keys`), and final: the
+  item's budget replaces the checkpoint's, as in the model cards' recipe
+  (`process_vision_info`, then the processor with `do_resize=False`). The pixels are resized
+  once, from the source.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from mmferry.chat import qwen_keys
 from mmferry.chat.parts import MediaPart
+from mmferry.config import ProcessorConfig
 from mmferry.items import Layout, MultimodalItem
 from mmferry.preprocess.decode import as_batch, decode_image
+from mmferry.preprocess.image import process_image
 from mmferry.preprocess.patchify import resize_u8
-from mmferry.preprocess.resize import smart_resize
 from mmferry.preprocess.sampling import frame_timestamps
-from mmferry.preprocess.video import video_target_size
+from mmferry.preprocess.video import process_video
 
-if TYPE_CHECKING:
-    from mmferry.processor import Processor
+
+class Configured(Protocol):
+    """What building an item needs of a processor: its settings (`mmferry.Processor` has them)."""
+
+    config: ProcessorConfig
 
 
 def _checked(part: MediaPart, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -38,17 +43,40 @@ def _checked(part: MediaPart, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise part.error(str(e), kind="bad_media") from None
 
 
-def _image(proc: Processor, part: MediaPart, layout: Layout, threads: int | None) -> MultimodalItem:
+def _keeping(part: MediaPart, cfg: ProcessorConfig, frames: int, h: int, w: int) -> ProcessorConfig:
+    """`cfg` with size limits that hold `frames` frames of h x w as they are, so that the
+    processor's resize is an identity: the item's own budget replaces the checkpoint's."""
+    if h < cfg.factor or w < cfg.factor:
+        raise part.error(f"the part's size keys give {h}x{w}, under {cfg.factor} a side")
+    if h * w > cfg.max_decoded_pixels:
+        raise part.error(
+            f"the part's size keys give {h}x{w}, more than max_decoded_pixels="
+            f"{cfg.max_decoded_pixels}",
+            kind="bad_media",
+        )
+    # NOTE: Qwen3-VL's video rule weighs the frames rounded to whole temporal patches; the
+    # bounds hold the size under each family's rule.
+    lo, hi = cfg.factor**2, (frames + cfg.temporal_patch_size) * h * w
+    return cfg.replace(
+        image_min_pixels=lo,
+        image_max_pixels=hi,
+        video_min_pixels=lo,
+        video_max_pixels=hi,
+        cap_pixels_per_frame=False,
+    )
+
+
+def _image(
+    cfg: ProcessorConfig, part: MediaPart, layout: Layout, threads: int | None
+) -> MultimodalItem:
     if not part.options:
-        return _checked(part, proc.image, part.source, layout, threads=threads)
-    cfg = proc.config
+        return _checked(part, process_image, part.source, cfg, layout=layout, threads=threads)
     pixels = _checked(part, decode_image, part.source, cfg.max_decoded_pixels).pixels
     h, w = _checked(part, qwen_keys.image_size, *pixels.shape[1:], part.options, cfg.factor)
-    h, w = smart_resize(
-        h, w, factor=cfg.factor, min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels
-    )
-    # [3, H, W] -> [3, h, w]; the processor's own resize is then an identity.
-    return _checked(part, proc.image, resize_u8(as_batch(pixels), h, w)[0], layout, threads=threads)
+    kept = _keeping(part, cfg, 1, h, w)
+    # [3, H, W] -> [3, h, w]
+    resized = resize_u8(as_batch(pixels), h, w)[0]
+    return _checked(part, process_image, resized, kept, layout=layout, threads=threads)
 
 
 def _frames_tensor(frames: list[torch.Tensor]) -> torch.Tensor:
@@ -56,14 +84,20 @@ def _frames_tensor(frames: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _video_file(
-    proc: Processor, part: MediaPart, layout: Layout, call: dict[str, Any], threads: int | None
+    cfg: ProcessorConfig,
+    part: MediaPart,
+    layout: Layout,
+    call: dict[str, Any],
+    threads: int | None,
 ) -> MultimodalItem:
     from mmferry.preprocess.decode import read_source_bytes
     from mmferry.preprocess.video_decode import decode_frames, probe_video
 
     if not part.options:
-        return _checked(part, proc.video, part.source, layout, **call, threads=threads)
-    cfg, name = proc.config, part.where
+        return _checked(
+            part, process_video, part.source, cfg, layout=layout, **call, threads=threads
+        )
+    name = part.where
     data = _checked(part, read_source_bytes, part.source, "video")
     if data is None:
         raise part.error("a video with qwen-vl-utils keys must be a file, bytes or frames")
@@ -75,7 +109,7 @@ def _video_file(
     size = _checked(
         part, qwen_keys.video_size, n, info.height, info.width, part.options, cfg.factor
     )
-    size = video_target_size(cfg, n, *size)
+    kept = _keeping(part, cfg, n, *size)
 
     def check_size(h: int, w: int) -> None:
         if h * w > cfg.max_decoded_pixels:
@@ -84,7 +118,14 @@ def _video_file(
     frames = _checked(part, decode_frames, data, name, indices, check_size, lambda h, w: size, info)
     # The kept frames, already sampled and sized: the processor takes them all, as they are.
     item = _checked(
-        part, proc.video, frames, layout, num_frames=n, source_fps=info.fps, threads=threads
+        part,
+        process_video,
+        frames,
+        kept,
+        layout=layout,
+        num_frames=n,
+        source_fps=info.fps,
+        threads=threads,
     )
     sample_fps = n / max(count, 1e-6) * info.fps
     return _retime(item, cfg.temporal_patch_size, indices, info.fps, sample_fps)
@@ -101,9 +142,9 @@ def _retime(
 
 
 def _frame_list(
-    proc: Processor, part: MediaPart, layout: Layout, threads: int | None
+    cfg: ProcessorConfig, part: MediaPart, layout: Layout, threads: int | None
 ) -> MultimodalItem:
-    cfg, keys = proc.config, part.options
+    keys = part.options
     frames = [_checked(part, decode_image, f, cfg.max_decoded_pixels).pixels for f in part.source]
     h, w = frames[0].shape[1:]
     h, w = _checked(part, qwen_keys.frame_list_size, h, w, keys, cfg.factor)
@@ -111,18 +152,25 @@ def _frame_list(
     frames += [frames[-1]] * (-len(frames) % qwen_keys.FRAME_FACTOR)
     n = len(frames)
     size = _checked(part, qwen_keys.video_size, n, h, w, keys, cfg.factor)
-    size = video_target_size(cfg, n, *size)
+    kept = _keeping(part, cfg, n, *size)
     resized = _frames_tensor([resize_u8(as_batch(f), *size)[0] for f in frames])
     sample_fps = keys.get("sample_fps", qwen_keys.FRAME_LIST_FPS)
     rate = keys.get("raw_fps", sample_fps)
     item = _checked(
-        part, proc.video, resized, layout, num_frames=n, source_fps=rate, threads=threads
+        part,
+        process_video,
+        resized,
+        kept,
+        layout=layout,
+        num_frames=n,
+        source_fps=rate,
+        threads=threads,
     )
     return _retime(item, cfg.temporal_patch_size, range(n), rate, sample_fps)
 
 
 def build_item(
-    proc: Processor,
+    proc: Configured,
     part: MediaPart,
     layout: Layout,
     call: dict[str, Any],
@@ -131,12 +179,13 @@ def build_item(
 ) -> MultimodalItem:
     """The item for one media part (`call`: the call's `fps` / `num_frames` for videos;
     `threads`: the processor's, see preprocess/threads.py)."""
+    cfg = proc.config
     if part.modality == "image":
-        return _image(proc, part, layout, threads)
+        return _image(cfg, part, layout, threads)
     source = part.source
     if isinstance(source, (np.ndarray, torch.Tensor)) and source.ndim == 4:
         # A THWC array (or TCHW tensor) is a list of frames in one block.
         source = list(source)
     if isinstance(source, list):
-        return _frame_list(proc, dataclasses.replace(part, source=source), layout, threads)
-    return _video_file(proc, part, layout, call, threads)
+        return _frame_list(cfg, dataclasses.replace(part, source=source), layout, threads)
+    return _video_file(cfg, part, layout, call, threads)

@@ -1,9 +1,9 @@
 """qwen-vl-utils' per-item keys (0.0.14, `vision_process.py`): sizes and frame counts.
 
 An item that carries any of these keys is sized and sampled as `process_vision_info` does, and
-then, as transformers' processor does with what `process_vision_info` returns, the checkpoint's
-own size rule applies on top (an identity whenever the first size is within its limits). Only the
-arithmetic is restated; the pixels are resized once, from the source to the final size.
+that size is final: the model cards hand `process_vision_info`'s output to the processor with
+`do_resize=False`, so the item's budget replaces the checkpoint's. Only the arithmetic is
+restated; the pixels are resized once, from the source to the final size.
 """
 
 from __future__ import annotations

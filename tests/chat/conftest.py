@@ -193,7 +193,12 @@ def media(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("media")
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {}
-    for name, (h, w) in {"small": (40, 60), "wide": (70, 150), "tall": (130, 60)}.items():
+    for name, (h, w) in {
+        "small": (40, 60),
+        "wide": (70, 150),
+        "tall": (130, 60),
+        "odd": (60, 90),
+    }.items():
         smooth = moving_frames(1, h, w, seed=len(name))[0]
         noise = rng.integers(-20, 20, (h, w, 3))
         out[name] = Image.fromarray(np.clip(smooth + noise, 0, 255).astype(np.uint8))

@@ -2,8 +2,9 @@
 
 Message sets without qwen-vl-utils keys are checked against transformers'
 `processor.apply_chat_template(..., tokenize=True, return_dict=True)`; those with them (and
-frame lists, qwen-vl-utils' form) against what Qwen's instructions run: qwen-vl-utils'
-`process_vision_info`, then transformers' processor on its output. See oracle.py for what runs.
+frame lists, qwen-vl-utils' form) against what Qwen's model cards run: qwen-vl-utils'
+`process_vision_info`, then transformers' processor on its output with `do_resize=False` (a
+per-item budget replaces the checkpoint's). See oracle.py for what runs.
 """
 
 from __future__ import annotations
@@ -235,6 +236,63 @@ def cases(m: dict[str, Any]) -> list[Case]:
             ],
             qwen_utils=True,
         ),
+        Case(
+            "image min_pixels above the checkpoint's maximum",
+            [user({"type": "image", "image": m["odd"], "min_pixels": 50000, "max_pixels": 200000})],
+            qwen_utils=True,
+        ),
+        Case(
+            "video pixel budget and nframes",
+            [
+                user(
+                    {
+                        "type": "video",
+                        "video": m["long"],
+                        "min_pixels": 50000,
+                        "max_pixels": 200000,
+                        "nframes": 6,
+                    },
+                    text("What happens?"),
+                )
+            ],
+            qwen_utils=True,
+        ),
+        Case(
+            "resized_height/width above the checkpoint's maximum",
+            [
+                user(
+                    {"type": "image", "image": img, "resized_height": 300, "resized_width": 250},
+                    {
+                        "type": "video",
+                        "video": m["clip"],
+                        "resized_height": 200,
+                        "resized_width": 300,
+                    },
+                )
+            ],
+            qwen_utils=True,
+        ),
+        Case(
+            "video total_pixels",
+            [user({"type": "video", "video": m["long"], "total_pixels": 300000, "fps": 1.0})],
+            qwen_utils=True,
+        ),
+        Case(
+            "frame list with raw_fps and resized_height/width",
+            [
+                user(
+                    {
+                        "type": "video",
+                        "video": m["frames"],
+                        "sample_fps": 2.0,
+                        "raw_fps": 8.0,
+                        "resized_height": 160,
+                        "resized_width": 240,
+                    }
+                )
+            ],
+            qwen_utils=True,
+        ),
     ]
 
 
@@ -299,6 +357,8 @@ def reference(ckpt, case: Case) -> dict[str, Any]:
         if videos
         else None,
         do_sample_frames=False,
+        # The model cards' recipe: qwen-vl-utils' sizes are final.
+        do_resize=False,
         return_tensors="pt",
     )
     return dict(out)
@@ -332,8 +392,8 @@ def check(ckpt, case: Case) -> None:
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("index", range(25))
+@pytest.mark.parametrize("index", range(30))
 def test_equals_transformers(checkpoint, media, index):
     all_cases = cases(media)
-    assert len(all_cases) == 25
+    assert len(all_cases) == 30
     check(checkpoint, all_cases[index])

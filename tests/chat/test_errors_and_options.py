@@ -117,3 +117,21 @@ def test_unknown_option_lists_valid_names():
         mf.Processor.for_model("qwen3-vl", max_pixel=5)
     with pytest.raises(UnknownOptionError, match="in videos_kwargs"):
         mf.Processor.for_model("qwen2.5-vl", videos_kwargs={"shortest_edge": 5})
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image", "image": "small", "min_pixels": 300_000, "max_pixels": 400_000},
+        {"type": "video", "video": "clip", "resized_height": 600, "resized_width": 600},
+        {"type": "video", "video": "frames", "min_pixels": 300_000, "max_pixels": 400_000},
+    ],
+    ids=["image", "video", "frame list"],
+)
+def test_a_per_item_size_past_the_decode_bound_is_refused(checkpoint, media, part):
+    # A per-item budget replaces the checkpoint's, not the bound on what one frame may hold.
+    proc = mf.Processor.from_pretrained(checkpoint.path, max_decoded_pixels=200_000)
+    key = part["type"]
+    part = {**part, key: media[part[key]]}
+    with pytest.raises(PartError, match="message 1 part 1 .*more than max_decoded_pixels=200000"):
+        proc.apply_chat_template(_msgs(part), tokenize=True, return_dict=True)
