@@ -1,4 +1,4 @@
-"""Command line: `mmferry demo | encode | serve | bench`."""
+"""Command line: `mmferry demo | encode | serve | proxy | bench`."""
 
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     sub = parser.add_subparsers(
         dest="cmd", required=True, metavar="COMMAND", parser_class=CommandParser
     )
-    from mmferry.commands import bench, encode, serve
+    from mmferry.commands import bench, encode, proxy, serve
 
     parsers: dict[str, argparse.ArgumentParser] = {}
     commands = {"demo": _demo}
@@ -178,6 +178,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         ("demo", None, "run the whole pipeline on the bundled samples"),
         ("encode", encode, "encode images and videos into one safetensors file"),
         ("serve", serve, "run the HTTP encoder service"),
+        ("proxy", proxy, "run the encode/prefill/decode front in front of vLLM"),
         ("bench", bench, "run the benchmarks (figures beside their baselines)"),
     ):
         description = _DEMO_DESCRIPTION if module is None else module.__doc__

@@ -19,6 +19,9 @@ class Env:
     host_cache_mb: int = 2048
     # The encoder service's API key. Kept out of argv so it does not show in process lists.
     api_key: str | None = None
+    # `mmferry proxy`: the key it sends the encoders, and the one it sends the engine.
+    encoder_api_key: str | None = None
+    llm_api_key: str | None = None
     # Set by torchrun (not ours to rename): this process's place in the group.
     world_size: int = 1
     rank: int = 0
@@ -32,6 +35,8 @@ class Env:
             preprocess_threads=_int(env, f"{PREFIX}PREPROCESS_THREADS", None, 1),
             host_cache_mb=_int(env, f"{PREFIX}HOST_CACHE_MB", 2048, 0) or 0,
             api_key=env.get(f"{PREFIX}API_KEY") or None,
+            encoder_api_key=env.get(f"{PREFIX}ENCODER_API_KEY") or None,
+            llm_api_key=env.get(f"{PREFIX}LLM_API_KEY") or None,
             world_size=int(env.get("WORLD_SIZE", "1")),
             rank=int(env.get("RANK", "0")),
             local_rank=int(env.get("LOCAL_RANK", "0")),

@@ -21,6 +21,7 @@ PACKAGES = [
     "mmferry.models",
     "mmferry.testing",
     "mmferry.chat",
+    "mmferry.proxy",
 ]
 
 

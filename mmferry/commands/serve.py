@@ -137,6 +137,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="a request body must arrive within this; 408 past it",
     )
+    add_log_level(p)
+
+
+def add_log_level(p: argparse.ArgumentParser) -> None:
+    """--log-level, uvicorn's (`serve` and `proxy`)."""
     p.add_argument(
         "--log-level",
         default="warning",

@@ -32,15 +32,31 @@ def import_uvicorn() -> Any:
 
 def serve(service: EncoderService, host: str, port: int, *, log_level: str = "warning") -> int:
     """Serve until a signal, then drain; returns the exit status."""
-    uvicorn = import_uvicorn()
     state = AppState(service)
     app = create_app(service, state)
+    timeout = service.config.drain_timeout_s
+    return serve_app(app, state, host, port, timeout, name="serve", log_level=log_level)
+
+
+def serve_app(
+    app: Any,
+    state: Any,
+    host: str,
+    port: int,
+    timeout: float,
+    *,
+    name: str,
+    log_level: str = "warning",
+) -> int:
+    """Serve `app` until a signal, then drain it within `timeout` seconds; `state` has the
+    drain fields of `AppState` (`draining`, `in_flight`, `reading`, `cut_reads`); `name` is
+    the command printed (`mmferry serve`, `mmferry proxy`)."""
+    uvicorn = import_uvicorn()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound = sock.getsockname()[1]
-    timeout = service.config.drain_timeout_s
     url_host = f"[{host}]" if ":" in host else host
 
     class DrainingServer(uvicorn.Server):
@@ -53,7 +69,7 @@ def serve(service: EncoderService, host: str, port: int, *, log_level: str = "wa
             # NOTE: printed only now that the socket listens: clients (and tests) connect
             # as soon as they read it.
             if self.started:
-                print(f"mmferry serve: listening on http://{url_host}:{bound}", flush=True)
+                print(f"mmferry {name}: listening on http://{url_host}:{bound}", flush=True)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             # NOTE: uvicorn's own handler re-raises the signal after shutdown, which would end
@@ -85,5 +101,5 @@ def serve(service: EncoderService, host: str, port: int, *, log_level: str = "wa
         app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=timeout
     )
     DrainingServer(config).run(sockets=[sock])
-    print("mmferry serve: drained, exiting", flush=True)
+    print(f"mmferry {name}: drained, exiting", flush=True)
     return 0

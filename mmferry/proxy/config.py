@@ -1,0 +1,56 @@
+"""`ProxyConfig`: what one `mmferry proxy` process is pointed at and how far it goes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mmferry.server.limits import Limits
+
+MODES = ("connector", "embeds")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Runtime settings of one proxy (`mmferry proxy` options)."""
+
+    llm_url: str
+    encoder_urls: tuple[str, ...]
+    # connector: grid-and-uuid parts, rows go encoder -> engine; embeds: rows through the proxy.
+    mode: str = "connector"
+    # Embeds mode: the dtype of the rows handed to the engine (its model dtype).
+    dtype: str = "bfloat16"
+    limits: Limits = field(default_factory=Limits)
+    max_in_flight: int = 256  # requests at once; the next one gets 503
+    api_key: str | None = None  # what clients must send
+    encoder_api_key: str | None = None  # what the proxy sends the encoders
+    llm_api_key: str | None = None  # what the proxy sends the engine (None: the client's own)
+    epsilon: float = 0.25  # bounded load: (1 + epsilon) x the mean in-flight items
+    encoder_timeout_s: float = 60.0  # one item's encode on one encoder
+    connect_timeout_s: float = 2.0  # a refused or silent encoder fails within this
+    llm_timeout_s: float = 600.0  # the engine's answer, between two chunks
+    probe_interval_s: float = 0.25  # how often down encoders are checked for a due probe
+    drain_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not self.encoder_urls:
+            raise ValueError("give at least one encoder (--encoder URL)")
+        if self.max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        for name in (
+            "epsilon",
+            "encoder_timeout_s",
+            "connect_timeout_s",
+            "llm_timeout_s",
+            "drain_timeout_s",
+            "body_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        object.__setattr__(self, "llm_url", self.llm_url.rstrip("/"))
+        object.__setattr__(self, "encoder_urls", tuple(u.rstrip("/") for u in self.encoder_urls))

@@ -1,0 +1,160 @@
+"""`EncoderPool`: one item to the encoder its key routes to, failing over to its next choices.
+
+An encoder that refuses the connection, times out or answers 5xx is marked down and the item
+goes to its next choice; a background task probes down encoders' `/health` (with the router's
+backoff) and brings them back. An encoder's own refusal of the item (a 4xx: bad media, too
+large) is the client's answer. When no encoder can serve an item, or the one that encoded it
+does not hold it for the engine, the item goes to the engine as pixels (`None`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from mmferry.proxy.config import ProxyConfig
+from mmferry.proxy.media import Encoded, Media, client_error
+from mmferry.proxy.metrics import ProxyMetrics
+from mmferry.proxy.router import Router
+from mmferry.server.limits import RequestError
+
+log = logging.getLogger("mmferry.proxy")
+
+
+class _Failed(Exception):
+    """An encoder could not serve a call (the reason is a metric label)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class EncoderPool:
+    """The encoders behind one proxy, their router, and the probes of those that are down."""
+
+    def __init__(self, config: ProxyConfig, metrics: ProxyMetrics) -> None:
+        import httpx
+
+        self.config = config
+        self.metrics = metrics
+        self.router = Router(config.encoder_urls, epsilon=config.epsilon)
+        key = config.encoder_api_key
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(config.encoder_timeout_s, connect=config.connect_timeout_s),
+            headers={"Authorization": f"Bearer {key}"} if key else {},
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self._transport_errors = (httpx.TransportError, OSError)
+        self._prober: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._prober = asyncio.ensure_future(self._probe_loop())
+
+    async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
+        await self.http.aclose()
+
+    def _down(self, url: str) -> None:
+        self.router.mark_down(url)
+        self.metrics.encoder_up.labels(url).set(0)
+
+    def _up(self, url: str) -> None:
+        if not self.router.is_up(url):
+            log.warning("encoder %s is up again", url)
+        self.router.mark_up(url)
+        self.metrics.encoder_up.labels(url).set(1)
+
+    async def _post(self, url: str, route: str, body: dict[str, Any], media: Media) -> Any:
+        """The encoder's 200 response; RequestError for its refusal of the item (4xx);
+        _Failed when the encoder could not serve (it is marked down, except for a 401)."""
+        t0 = time.perf_counter()
+        try:
+            r = await self.http.post(url + route, json=body)
+        except self._transport_errors as e:
+            self._down(url)
+            raise _Failed(type(e).__name__, str(e)) from None
+        finally:
+            self.metrics.encoder_seconds.labels(url).observe(time.perf_counter() - t0)
+        if r.status_code == 200:
+            return r
+        if r.status_code >= 500:
+            self._down(url)
+            raise _Failed(f"http_{r.status_code}", r.text[:200])
+        if r.status_code == 401:
+            # The proxy's key toward the encoders is wrong: the operator's fault, not the
+            # client's; the next choice may still take it.
+            raise _Failed("unauthorized", "the encoder refused the proxy's key")
+        raise client_error(r.status_code, r.text, media)
+
+    async def encode(self, media: Media) -> Encoded | None:
+        """The item encoded and held by an encoder (with its rows in embeds mode), or None:
+        send its pixels. RequestError when an encoder refused the item itself."""
+        tried: list[str] = []
+        while True:
+            url = self.router.route(media.key, exclude=tried)
+            if url is None:
+                self.metrics.items_fallback.labels("no_encoder").inc()
+                return None
+            tried.append(url)
+            self.router.acquire(url)
+            try:
+                return await self._encode_on(url, media)
+            except _Failed as e:
+                self.metrics.encoder_failures.labels(url, e.reason).inc()
+                log.warning("encoder %s failed (%s); trying the item's next choice", url, e)
+            finally:
+                self.router.release(url)
+
+    async def _encode_on(self, url: str, media: Media) -> Encoded | None:
+        r = await self._post(url, "/v1/cache/encode", {"content": [media.raw]}, media)
+        try:
+            (facts,) = r.json()["items"]
+            facts["hash"], facts["grid_thw"]  # noqa: B018 - the fields the rewrite needs
+        except (ValueError, KeyError, TypeError) as e:
+            raise _Failed("bad_answer", f"{type(e).__name__}: {e}") from None
+        self.metrics.items_routed.labels(url).inc()
+        # NOTE: a service without "held" in its answer pins every item it encodes.
+        if not facts.get("held", True):
+            self.metrics.items_fallback.labels("not_held").inc()
+            return None
+        if self.config.mode == "connector":
+            return Encoded(facts)
+        # Embeds mode: the rows come through the proxy; the load releases the pin.
+        body = {"hashes": [facts["hash"]], "dtype": self.config.dtype}
+        try:
+            r = await self._post(url, "/v1/cache/load", body, media)
+        except RequestError as e:  # 404: evicted since the encode; the engine encodes it
+            log.warning("encoder %s lost %s before its load: %s", url, facts["hash"], e.message)
+            self.metrics.items_fallback.labels("not_held").inc()
+            return None
+        from safetensors.torch import load
+
+        return Encoded(facts, load(r.content)[facts["hash"]])
+
+    async def _probe(self, url: str) -> None:
+        try:
+            r = await self.http.get(url + "/health", timeout=self.config.connect_timeout_s)
+            ok = r.status_code == 200
+        except self._transport_errors:
+            ok = False
+        if ok:
+            self._up(url)
+        else:
+            self._down(url)
+
+    async def _probe_loop(self) -> None:
+        while True:
+            due = self.router.due()
+            if due:
+                await asyncio.gather(*(self._probe(u) for u in due))
+            await asyncio.sleep(self.config.probe_interval_s)
+
+    def health(self) -> dict[str, str]:
+        """Each encoder: "up" or "down"."""
+        return {u: "up" if self.router.is_up(u) else "down" for u in self.router.urls}

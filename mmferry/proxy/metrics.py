@@ -1,0 +1,61 @@
+"""The proxy's Prometheus metrics, in a registry of its own (the `server` extra)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ProxyMetrics:
+    """Per-encoder latency, failures and up/down; items routed and fallen back; TTFT."""
+
+    def __init__(self, encoders: Sequence[str]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "mmferry_proxy_requests", "requests answered", ["route", "status"], registry=r
+        )
+        self.in_flight = Gauge("mmferry_proxy_requests_in_flight", "admitted requests", registry=r)
+        self.encoder_seconds = Histogram(
+            "mmferry_proxy_encoder_seconds",
+            "one item's call to one encoder, as the proxy sees it",
+            ["encoder"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.encoder_failures = Counter(
+            "mmferry_proxy_encoder_failures",
+            "encoder calls that failed (refused, timed out, 5xx)",
+            ["encoder", "reason"],
+            registry=r,
+        )
+        self.encoder_up = Gauge(
+            "mmferry_proxy_encoder_up", "1 while the encoder is routed to", ["encoder"], registry=r
+        )
+        self.items_routed = Counter(
+            "mmferry_proxy_items_routed", "items an encoder answered", ["encoder"], registry=r
+        )
+        self.items_fallback = Counter(
+            "mmferry_proxy_items_fallback",
+            "items sent to the engine as pixels (no encoder could serve them, or not held)",
+            ["reason"],
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "mmferry_proxy_ttft_seconds",
+            "request arrival to the engine's first chunk, as the proxy sees it",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        for url in encoders:  # every encoder shows up from the first scrape
+            self.encoder_up.labels(url).set(1)
+            self.items_routed.labels(url)
+            self.encoder_seconds.labels(url)
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) for GET /metrics."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

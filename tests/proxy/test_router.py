@@ -1,0 +1,111 @@
+"""`Router`: rendezvous choices, bounded load, down marking with backoff (pure, no I/O)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+
+import pytest
+
+from mmferry.proxy.router import Router
+
+URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 4)]
+KEYS = [hashlib.sha256(str(i).encode()).hexdigest()[:32] for i in range(3000)]
+
+
+def first_choices(router: Router) -> dict[str, str]:
+    return {k: router.route(k) for k in KEYS}
+
+
+def test_choices_rank_every_encoder_by_highest_weight():
+    r = Router(URLS)
+    for key in KEYS[:50]:
+        ranked = r.choices(key)
+        assert sorted(ranked) == sorted(URLS)
+        # An independent computation of the weights: blake2b-64 of "url\0key", highest first.
+        weight = {
+            u: int.from_bytes(
+                hashlib.blake2b(f"{u}\0{key}".encode(), digest_size=8).digest(), "big"
+            )
+            for u in URLS
+        }
+        assert ranked == sorted(URLS, key=weight.__getitem__, reverse=True)
+
+
+def test_keys_spread_evenly_and_repeat():
+    r = Router(URLS)
+    placed = first_choices(r)
+    counts = Counter(placed.values())
+    assert set(counts) == set(URLS)
+    for n in counts.values():  # 1000 each expected; 4 sigma is about 100
+        assert 850 < n < 1150, counts
+    assert first_choices(Router(URLS)) == placed  # another replica, same answers
+
+
+def test_adding_an_encoder_moves_only_its_share():
+    before = first_choices(Router(URLS))
+    fourth = "http://10.0.0.4:8000"
+    after = first_choices(Router([*URLS, fourth]))
+    moved = [k for k in KEYS if before[k] != after[k]]
+    # Only keys the new encoder wins move, and they all move to it.
+    assert all(after[k] == fourth for k in moved)
+    assert 0.2 < len(moved) / len(KEYS) < 0.3, len(moved)
+    # The order the URLs are listed in changes nothing.
+    assert first_choices(Router([fourth, *reversed(URLS)])) == after
+
+
+def test_bounded_load_passes_items_to_the_next_choice():
+    r = Router(URLS, epsilon=0.25)
+    key = KEYS[0]
+    best, second, _ = r.choices(key)
+    for _ in range(4):
+        r.acquire(best)
+    # 4 in flight in all, mean 5/3 with this item; capacity ceil(1.25 * 5 / 3) = 3 < 4.
+    assert r.capacity() == 3
+    assert r.route(key) == second
+    r.acquire(second)
+    # 5 in flight, mean 2 with this item: capacity ceil(1.25 * 6 / 3) = 3; the second choice
+    # (1) takes it, and with the second loaded too, the third does.
+    assert r.route(key) == second
+    for _ in range(3):
+        r.acquire(second)
+    assert r.route(key) == r.choices(key)[2]
+    for _ in range(4):
+        r.release(best)
+    assert r.route(key) == best
+    # Tried encoders are excluded; when only loaded ones are left, the best of them.
+    assert r.route(key, exclude=[best]) == r.choices(key)[2]
+    assert r.route(key, exclude=[best, r.choices(key)[2]]) == second
+
+
+def test_down_encoders_are_skipped_and_probed_with_backoff():
+    r = Router(URLS, backoff_s=1.0, max_backoff_s=4.0)
+    key = KEYS[1]
+    best, second, third = r.choices(key)
+    r.mark_down(best, now=100.0)
+    r.mark_down(best, now=100.2)  # other calls failing meanwhile count once
+    assert r.route(key) == second
+    assert r.route(key, exclude=[second]) == third
+    assert r.due(now=100.5) == []
+    assert r.due(now=101.0) == [best]
+    r.mark_down(best, now=101.0)  # the probe failed: twice the wait
+    assert r.due(now=102.5) == []
+    assert r.due(now=103.0) == [best]
+    r.mark_down(best, now=103.0)
+    r.mark_down(best, now=107.0)  # capped at max_backoff_s
+    assert r.encoders[best].probe_at == 111.0
+    r.mark_up(best)
+    assert r.route(key) == best
+    for u in URLS:
+        r.mark_down(u)
+    assert r.route(key) is None
+    assert r.capacity() == 0
+
+
+def test_bad_configurations_are_refused():
+    with pytest.raises(ValueError, match="at least one"):
+        Router([])
+    with pytest.raises(ValueError, match="repeat"):
+        Router(["http://a:1", "http://a:1/"])
+    with pytest.raises(ValueError, match="epsilon"):
+        Router(URLS, epsilon=0)
