@@ -28,8 +28,9 @@ from mmferry.chat.sources import Reference
 from mmferry.embed.cache import EncoderCache
 from mmferry.encoder.model import VisionEncoder, VisionOutput
 from mmferry.items import LAYOUTS, MultimodalItem
-from mmferry.preprocess.batch import ImagePart, batch_threads, item_bytes
+from mmferry.preprocess.batch import batch_threads
 from mmferry.preprocess.item_pool import ItemPool
+from mmferry.preprocess.scheduler import source_bytes
 from mmferry.processor import Processor
 from mmferry.server.batching import Batcher
 from mmferry.server.encoded import EncodedItem, to_bytes
@@ -181,12 +182,16 @@ class EncoderService:
             datas = await asyncio.gather(*(self._remote.fetch(u, part.where) for u in remote))
             fetched, fetched_s = dict(zip(remote, datas)), time.perf_counter() - t0
         job = partial(self._preprocess, part, layout, fetched, fetched_s)
-        size = self._size(part, layout, fetched)
+        # NOTE: off the event loop: a header parse (and a data: URL's head decoded) would hold
+        # every other request meanwhile.
+        size = await asyncio.to_thread(self._size, part, layout, fetched)
         return await asyncio.wrap_future(self._pool.submit(job, group=request, size=size))
 
     def _size(self, part: MediaPart, layout: str, fetched: dict[str, bytes]) -> int | None:
         """Host bytes an image part will hold, from its header where one is at hand (fetched
-        bytes, the head of a data: payload); None otherwise (a file not read yet, videos)."""
+        bytes, the head of a data: payload); None otherwise (a file not read yet, videos) and
+        for a header over the pixel limit (refused when the part is read, and never a size
+        the buffer cache is raised to)."""
         source = part.source
         if part.modality != "image" or not isinstance(source, Reference):
             return None
@@ -199,7 +204,11 @@ class EncoderService:
                 return None
         else:
             return None
-        return None if head is None else item_bytes(ImagePart(head), self.processor.config, layout)
+        if head is None:
+            return None
+        cfg = self.processor.config
+        limit = min(self.config.limits.max_pixels, cfg.max_decoded_pixels)
+        return source_bytes(head, cfg, layout, max_pixels=limit)
 
     def _preprocess(
         self,
