@@ -6,7 +6,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench format vllm-venv
+.PHONY: demo test lint bench format vllm-venv mooncake-venv
 
 # vLLM's own environment for the engine tests (tests/engines): the CPU build of vLLM, whose
 # pinned CPU torch comes without torchvision, so torch and torchvision are put back as a pair.
@@ -32,10 +32,28 @@ $(VLLM_STAMP):
 
 vllm-venv: $(VLLM_STAMP)
 
+# Mooncake Store for tests/store without root: the wheel into a folder the tests put on
+# PYTHONPATH (the project's and vLLM's environments are both Python 3.11, so one folder serves
+# both), and libibverbs from Debian's packages unpacked where the tests put LD_LIBRARY_PATH.
+MOONCAKE ?= .mooncake-venv
+MOONCAKE_STAMP := $(MOONCAKE)/.installed
+MOONCAKE_DEBS := libibverbs1 libnl-3-200 libnl-route-3-200
+
+$(MOONCAKE_STAMP): | $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(MOONCAKE)/site \
+		mooncake-transfer-engine-non-cuda==0.3.13.post1
+	mkdir -p $(MOONCAKE)/debs
+	cd $(MOONCAKE)/debs && (apt-get download $(MOONCAKE_DEBS) || \
+		(apt-get update -qq && apt-get download $(MOONCAKE_DEBS)))
+	for d in $(MOONCAKE)/debs/*.deb; do dpkg-deb -x $$d $(MOONCAKE)/root; done
+	touch $@
+
+mooncake-venv: $(MOONCAKE_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m mmferry demo
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)

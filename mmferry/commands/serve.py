@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from mmferry.commands import positive_int, quoted
 from mmferry.commands.model_args import add_model_args, build
@@ -143,6 +144,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def add_log_level(p: argparse.ArgumentParser) -> None:
     """--log-level, uvicorn's (`serve` and `proxy`)."""
     p.add_argument(
+        "--store",
+        metavar="URL",
+        help="share encoder outputs with other services through a Mooncake Store: "
+        "mooncake://MASTER_HOST:PORT?metadata=URL (the `mooncake` extra; README)",
+    )
+    p.add_argument(
         "--log-level",
         default="warning",
         type=str.lower,
@@ -183,8 +190,16 @@ def run(args: argparse.Namespace) -> int:
             body_timeout_s=args.body_timeout,
             fetch_concurrency=args.fetch_concurrency,
             preprocess_threads=args.preprocess_threads,
+            store=args.store,
+            # The checkpoint folder's name (the same on every host of a pool) or the random tower.
+            model_name=Path(args.model).name if args.model else f"random-{args.random}",
         )
-    except ValueError as e:  # a bad option value: one line, argparse's status
+        if args.store is not None:  # a bad address or a missing extra, before the model loads
+            from mmferry.store.mooncake import StoreAddress, import_mooncake
+
+            StoreAddress.parse(args.store)
+            import_mooncake()
+    except (ValueError, ImportError) as e:  # a bad option value: one line, argparse's status
         print(f"mmferry serve: {e}", file=sys.stderr)
         return 2
     leader = None
@@ -199,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
         leader = ShardedLeader(enc)
     print(f"mmferry serve: {enc!r} on {env.world_size} rank(s)", flush=True)
     service = EncoderService(proc, enc, config, encode=leader)
+    if service.store is not None:
+        print(f"mmferry serve: encoder outputs shared through {service.store!r}", flush=True)
     try:
         return serve(service, args.host, args.port, log_level=args.log_level)
     finally:

@@ -64,6 +64,10 @@ class ServiceConfig:
     api_key: str | None = None
     drain_timeout_s: float = 30.0  # SIGTERM to exit, however many requests are still open
     body_timeout_s: float = 30.0  # a request body must arrive in full within this (408)
+    # A shared store of encoder outputs (mooncake://...; mmferry/store/) and the checkpoint's
+    # name in its keys; None: this service's own cache only.
+    store: str | None = None
+    model_name: str = ""
 
     def __post_init__(self) -> None:
         if self.preprocess_threads is None:
@@ -110,8 +114,9 @@ class EncoderService:
         self.metrics = Metrics()
         self.cache = EncoderCache(config.cache_bytes)
         self.metrics.cache_bytes.set_function(lambda: self.cache.used_bytes)
+        self.store = _shared_store(config, encoder, self.metrics)
         # `encode` replaces a plain encoder call (the sharded leader under torchrun).
-        self.batcher = Batcher(
+        self.batcher = (Batcher if self.store is None else self.store.batcher)(
             encode or encoder,
             self.cache,
             self.metrics,
@@ -147,6 +152,8 @@ class EncoderService:
         await asyncio.to_thread(self._pool.shutdown)
         if self._arena is not None:
             self._arena.close()
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)
 
     # -- one request ----------------------------------------------------------------------
 
@@ -288,6 +295,16 @@ class EncoderService:
             doc["deepstack"] = [self.share(t) for t in it.deepstack]
             docs.append(doc)
         return {"items": docs}
+
+
+def _shared_store(config: ServiceConfig, encoder: VisionEncoder, metrics: Metrics) -> Any:
+    """The shared store the config names (looked up before encoding, published to after), or
+    None."""
+    if config.store is None:
+        return None
+    from mmferry.store.shared import SharedStore
+
+    return SharedStore(config.store, encoder, config.model_name, metrics)
 
 
 def _choice(options: dict[str, Any], name: str, default: str, allowed: Sequence[str]) -> str:

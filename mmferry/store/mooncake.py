@@ -1,0 +1,192 @@
+"""A Mooncake Store client: the address form, and get/put of whole entries (the `mooncake` extra).
+
+`mooncake://MASTER_HOST:PORT?metadata=URL` names a Mooncake master and its metadata server;
+optional parameters: `protocol` (tcp; rdma where the hosts have it), `host` (the address this
+client's transfer engine advertises; default: the local address that routes to the master),
+`local_mib` (the client's registered staging buffer: an entry larger than it is not published;
+default 256), `retry_s` (after a store error, the store is left alone this long; default 5).
+
+Mooncake's own semantics used here: a `put` is readable only once complete (a reader never sees
+half an object), a `put` to an existing key keeps the old value (`upsert` replaces it), and
+objects not pinned are evicted by the store when its memory runs short (its own LRU; the
+master's `--eviction_high_watermark_ratio`), which is an entry's lifetime.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import torch
+
+SCHEME = "mooncake"
+NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
+UNREACHABLE = -800  # Mooncake's transfer (-800s) and RPC (-900s) failures, and below
+
+
+class StoreError(RuntimeError):
+    """The store answered with an error code (down, full, refused), or is being left alone."""
+
+
+def import_mooncake() -> Any:
+    """Mooncake's store module, or an ImportError naming the extra."""
+    try:
+        from mooncake import store
+    except ImportError as e:
+        raise ImportError(
+            "a Mooncake store needs the Mooncake transfer engine: pip install 'mmferry[mooncake]' "
+            f"(and libibverbs on the library path): {e}"
+        ) from None
+    return store
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """A parsed `mooncake://` address."""
+
+    master: str
+    metadata: str
+    protocol: str = "tcp"
+    host: str = ""
+    local_bytes: int = 256 << 20
+    retry_s: float = 5.0
+
+    @classmethod
+    def parse(cls, url: str) -> StoreAddress:
+        parts = urlsplit(url)
+        if parts.scheme != SCHEME or not parts.hostname or parts.port is None:
+            raise ValueError(
+                f"a store address is mooncake://MASTER_HOST:PORT?metadata=URL, got {url!r}"
+            )
+        query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+        unknown = sorted(set(query) - {"metadata", "protocol", "host", "local_mib", "retry_s"})
+        if unknown:
+            raise ValueError(f"unknown store parameter(s) {', '.join(unknown)} in {url!r}")
+        if not query.get("metadata"):
+            raise ValueError(
+                f"the store address needs ?metadata=URL (the metadata server): {url!r}"
+            )
+        try:
+            local = int(query.get("local_mib", 256)) << 20
+            retry = float(query.get("retry_s", 5.0))
+        except ValueError:
+            raise ValueError(f"local_mib and retry_s must be numbers in {url!r}") from None
+        if local <= 0 or retry < 0:
+            raise ValueError(f"local_mib must be positive and retry_s not negative in {url!r}")
+        return cls(
+            master=f"{parts.hostname}:{parts.port}",
+            metadata=query["metadata"],
+            protocol=query.get("protocol", "tcp"),
+            host=query.get("host", ""),
+            local_bytes=local,
+            retry_s=retry,
+        )
+
+    def local_host(self) -> str:
+        """The address to advertise: `host`, else the local address that routes to the master
+        (a UDP socket's connect sends nothing)."""
+        if self.host:
+            return self.host
+        name, port = self.master.rsplit(":", 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect((name, int(port)))
+                return s.getsockname()[0]
+            except OSError:
+                return socket.gethostbyname(socket.gethostname())
+
+
+class MooncakeStore:
+    """One Mooncake client with a breaker: after an error the store is left alone for
+    `retry_s` (a master that is down costs a request its timeout once, not every item)."""
+
+    def __init__(self, address: StoreAddress) -> None:
+        self.address = address
+        store = import_mooncake()
+        self._client = store.MooncakeDistributedStore()
+        # Segment 0: this client lends the store no memory; the holders (mooncake_client) do,
+        # so entries outlive an encoder that is killed.
+        rc = self._client.setup(
+            address.local_host(),
+            address.metadata,
+            0,
+            address.local_bytes,
+            address.protocol,
+            "",
+            address.master,
+        )
+        if rc != 0:
+            raise StoreError(f"cannot reach the Mooncake master at {address.master} (code {rc})")
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self.last_error = ""
+
+    def available(self) -> bool:
+        """False while the breaker is open (the last error is younger than `retry_s`)."""
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, what: str, code: int) -> StoreError:
+        with self._lock:
+            self.last_error = f"{what} failed with code {code}"
+            # Transport and RPC failures (codes from -800 down) mean the store is unreachable:
+            # left alone for a while. A full store or a refused key costs only that call.
+            if code <= UNREACHABLE:
+                self._down_until = time.monotonic() + self.address.retry_s
+        return StoreError(self.last_error)
+
+    def _check(self) -> None:
+        if not self.available():
+            raise StoreError(f"left alone after an error ({self.last_error})")
+
+    def get(self, key: str) -> torch.Tensor | None:
+        """The entry's bytes as a uint8 tensor, None when the key is absent; StoreError."""
+        self._check()
+        size = self._client.get_size(key)
+        if size == NOT_FOUND:
+            return None
+        if size < 0:
+            raise self._failed("get_size", size)
+        buf = torch.empty(size, dtype=torch.uint8)
+        got = self._client.get_into(key, buf.data_ptr(), size)
+        if got == NOT_FOUND:  # evicted or removed between the two calls
+            return None
+        if got < 0:
+            raise self._failed("get_into", got)
+        return buf[:got]
+
+    def get_into(self, key: str, ptr: int, size: int) -> int:
+        """Bytes read into `ptr` (a registered buffer of `size`), 0 when absent; StoreError."""
+        self._check()
+        got = self._client.get_into(key, ptr, size)
+        if got == NOT_FOUND:
+            return 0
+        if got < 0:
+            raise self._failed("get_into", got)
+        return got
+
+    def register(self, ptr: int, size: int) -> None:
+        rc = self._client.register_buffer(ptr, size)
+        if rc != 0:
+            raise StoreError(f"register_buffer failed with code {rc}")
+
+    def put(self, key: str, parts: list[Any], *, replace: bool = False) -> int:
+        """Publish the concatenation of `parts` under `key`; its size; StoreError. Without
+        `replace`, a key that exists keeps its value (the first writer's rows)."""
+        self._check()
+        size = sum(memoryview(p).nbytes for p in parts)
+        if size > self.address.local_bytes:
+            raise StoreError(
+                f"{size} bytes exceed the client's buffer ({self.address.local_bytes})"
+            )
+        put = self._client.upsert_parts if replace else self._client.put_parts
+        rc = put(key, *parts)
+        if rc != 0:
+            raise self._failed("upsert" if replace else "put", rc)
+        return size
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,263 @@
+"""`SharedStore`: a pool of encoders shares one cache in a Mooncake Store (`serve --store`).
+
+Before an item is queued for the encoder, its entry is looked for in the store (on a thread of
+its own, never the event loop) and, when found and checked, put in the local cache, so the
+batcher answers it without an encoder call; every item this service encodes is published after
+its request is answered (on another thread, off the request's path). The store is only ever a
+shortcut: a store that is down, full or holding a bad entry leaves the service as it is without
+one (local cache, local encode, rows over HTTP), counts it, and logs the change once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from mmferry.encoder.model import VisionOutput
+from mmferry.server.batching import Batcher
+from mmferry.store.entry import EntryError, ModelIdentity, entry_key, entry_parts, read_entry
+from mmferry.store.mooncake import MooncakeStore, StoreAddress, StoreError, import_mooncake
+
+if TYPE_CHECKING:
+    from mmferry.encoder.model import VisionEncoder
+    from mmferry.items import MultimodalItem
+    from mmferry.server.metrics import Metrics
+
+log = logging.getLogger("mmferry.store")
+MAX_PUBLISHING = 64  # entries waiting to be published; past it an entry is skipped and counted
+_KNOWN = 1 << 16  # item hashes known to be in the store, remembered to skip re-publishing
+
+
+class StoreMetrics:
+    """The store's counters, in the service's registry."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        from prometheus_client import Counter
+
+        r = metrics.registry
+        self.hits = Counter("mmferry_store_hits", "items taken from the store", registry=r)
+        self.misses = Counter("mmferry_store_misses", "items the store lacked", registry=r)
+        self.refused = Counter(
+            "mmferry_store_refused",
+            "store entries refused (wrong header, length or model) and re-encoded",
+            registry=r,
+        )
+        self.errors = Counter(
+            "mmferry_store_errors", "store calls that failed or were skipped", ["op"], registry=r
+        )
+        self.published = Counter("mmferry_store_published", "items published", registry=r)
+        self.publish_failures = Counter(
+            "mmferry_store_publish_failures", "items not published (store down or full)", registry=r
+        )
+        self.bytes = Counter("mmferry_store_bytes", "entry bytes moved", ["direction"], registry=r)
+        for op in ("get", "put", "connect"):
+            self.errors.labels(op)
+        for d in ("read", "written"):
+            self.bytes.labels(d)
+
+
+class SharedStore:
+    """The service's side of the store: look up before encoding, publish after."""
+
+    def __init__(self, url: str, encoder: VisionEncoder, model_name: str, metrics: Metrics) -> None:
+        self.address = StoreAddress.parse(url)
+        import_mooncake()  # the extra's message now, not on the first lookup's thread
+        self.encoder = encoder
+        self.identity = ModelIdentity.of(model_name, encoder.tower)
+        self.metrics = StoreMetrics(metrics)
+        self._store: MooncakeStore | None = None
+        self._connect_after = 0.0
+        self._healthy = True
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._replace: set[str] = set()
+        self._lock = threading.Lock()
+        self._connecting = threading.Lock()
+        self._publishing = 0
+        # One thread reads, one publishes: a slow publish never holds up a lookup.
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="mmferry-store-get")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="mmferry-store-put")
+
+    def __repr__(self) -> str:
+        return f"SharedStore(mooncake://{self.address.master}, {self.identity})"
+
+    def key(self, item_hash: str) -> str:
+        return entry_key(item_hash, self.identity, self.encoder.dtype)
+
+    # -- the client, connected on first use and again after a failed connect ----------------
+
+    def _client(self) -> MooncakeStore:
+        with self._connecting:  # the reader and the writer share one client
+            if self._store is not None:
+                return self._store
+            if time.monotonic() < self._connect_after:
+                raise StoreError("not connected")
+            try:
+                self._store = MooncakeStore(self.address)
+            except StoreError as e:
+                self._connect_after = time.monotonic() + self.address.retry_s
+                self.metrics.errors.labels("connect").inc()
+                self._note(False, str(e))
+                raise
+            return self._store
+
+    def _note(self, ok: bool, why: str = "") -> None:
+        """Log the store's state when it changes (not every failed call)."""
+        with self._lock:
+            changed, self._healthy = self._healthy != ok, ok
+        if changed and ok:
+            log.warning(
+                "mmferry store: the Mooncake store at %s answers again", self.address.master
+            )
+        elif changed:
+            log.warning(
+                "mmferry store: the Mooncake store at %s failed (%s); serving without it until "
+                "it answers",
+                self.address.master,
+                why,
+            )
+
+    # -- lookup -------------------------------------------------------------------------
+
+    def _fetch(self, items: list[MultimodalItem]) -> dict[str, VisionOutput]:
+        """On the reader thread: the checked rows of every item found in the store."""
+        found: dict[str, VisionOutput] = {}
+        enc = self.encoder
+        for it in items:
+            key = self.key(it.hash)
+            try:
+                data = self._client().get(key)
+            except StoreError as e:
+                self.metrics.errors.labels("get").inc()
+                self._note(False, str(e))
+                break  # the rest are misses too: encoded here
+            self._note(True)
+            if data is None:
+                self.metrics.misses.inc()
+                continue
+            try:
+                embeds, deepstack = read_entry(
+                    data,
+                    key=key,
+                    model=self.identity,
+                    dtype=enc.dtype,
+                    num_tokens=it.num_tokens,
+                    hidden=enc.out_hidden_size,
+                    deepstack=enc.num_deepstack,
+                )
+            except EntryError as e:
+                self.metrics.refused.inc()
+                log.warning("mmferry store: refused the entry %s (%s); re-encoding", key, e)
+                with self._lock:
+                    self._replace.add(key)
+                continue
+            self.metrics.hits.inc()
+            self.metrics.bytes.labels("read").inc(data.numel())
+            dev = enc.device
+            found[it.hash] = VisionOutput(
+                embeds.to(dev, copy=True), tuple(d.to(dev, copy=True) for d in deepstack)
+            )
+        return found
+
+    async def fill(self, items: Sequence[MultimodalItem], batcher: StoreBatcher) -> None:
+        """Put the store's entries for the items neither cached nor in flight in the cache."""
+        wanted: dict[str, MultimodalItem] = {}
+        for it in items:
+            if it.hash not in batcher.cache and not batcher.in_flight(it.hash):
+                wanted.setdefault(it.hash, it)
+        if not wanted:
+            return
+        loop = asyncio.get_running_loop()
+        found = await loop.run_in_executor(self._reader, self._fetch, list(wanted.values()))
+        for h, out in found.items():
+            batcher.cache.put(h, out)
+            self._remember(h)
+
+    # -- publication --------------------------------------------------------------------
+
+    def _remember(self, item_hash: str) -> bool:
+        """Mark the item as in the store; False when it already was."""
+        with self._lock:
+            if item_hash in self._known:
+                self._known.move_to_end(item_hash)
+                return False
+            self._known[item_hash] = None
+            while len(self._known) > _KNOWN:
+                self._known.popitem(last=False)
+            return True
+
+    def _forget(self, item_hash: str) -> None:
+        with self._lock:
+            self._known.pop(item_hash, None)
+
+    def _put(self, item_hash: str, out: VisionOutput) -> None:
+        """On the writer thread: one entry; a failure is counted and the item forgotten, so
+        the next request for it publishes it again."""
+        key = self.key(item_hash)
+        with self._lock:
+            replace = key in self._replace
+        try:
+            parts = entry_parts(key, self.identity, out.embeds, out.deepstack)
+            size = self._client().put(key, parts, replace=replace)
+        except StoreError as e:
+            self.metrics.publish_failures.inc()
+            self.metrics.errors.labels("put").inc()
+            self._note(False, str(e))
+            self._forget(item_hash)
+        else:
+            self._note(True)
+            self.metrics.published.inc()
+            self.metrics.bytes.labels("written").inc(size)
+            with self._lock:
+                self._replace.discard(key)
+        finally:
+            with self._lock:
+                self._publishing -= 1
+
+    def publish(self, items: Sequence[MultimodalItem], outs: Sequence[VisionOutput]) -> None:
+        """Queue the entries of the items not known to be in the store."""
+        for it, out in zip(items, outs):
+            if not self._remember(it.hash):
+                continue
+            with self._lock:
+                full = self._publishing >= MAX_PUBLISHING
+                if not full:
+                    self._publishing += 1
+            if full:
+                self.metrics.publish_failures.inc()
+                self._forget(it.hash)
+                continue
+            self._writer.submit(self._put, it.hash, out)
+
+    def batcher(self, encode: Any, cache: Any, metrics: Metrics, **options: Any) -> StoreBatcher:
+        return StoreBatcher(encode, cache, metrics, store=self, **options)
+
+    def close(self) -> None:
+        """Finish the queued publications, then disconnect."""
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        self._writer.shutdown(wait=True)
+        if self._store is not None:
+            self._store.close()
+
+
+class StoreBatcher(Batcher):
+    """The batcher with the store in front: entries found there are cache hits, and what it
+    encodes is published."""
+
+    def __init__(self, *args: Any, store: SharedStore, **options: Any) -> None:
+        super().__init__(*args, **options)
+        self.store = store
+
+    def in_flight(self, item_hash: str) -> bool:
+        return item_hash in self._inflight
+
+    async def encode(self, items: Sequence[MultimodalItem]) -> list[VisionOutput]:
+        await self.store.fill(items, self)
+        outs = await super().encode(items)
+        self.store.publish(items, outs)
+        return outs

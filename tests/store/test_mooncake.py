@@ -1,0 +1,126 @@
+"""The Mooncake client against a real master and holder on loopback TCP."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from mmferry.store.entry import ModelIdentity, entry_key, entry_parts, read_entry
+from mmferry.store.mooncake import MooncakeStore, StoreAddress, StoreError
+
+MODEL = ModelIdentity("tiny", "a" * 32)
+
+
+def test_address_parsing():
+    a = StoreAddress.parse("mooncake://10.0.0.5:50051?metadata=http://10.0.0.5:8080/metadata")
+    assert (a.master, a.metadata, a.protocol, a.retry_s) == (
+        "10.0.0.5:50051",
+        "http://10.0.0.5:8080/metadata",
+        "tcp",
+        5.0,
+    )
+    a = StoreAddress.parse("mooncake://m:1?metadata=x&local_mib=8&retry_s=0.5&host=h")
+    assert (a.local_bytes, a.retry_s, a.local_host()) == (8 << 20, 0.5, "h")
+    for bad, why in [
+        ("redis://m:1?metadata=x", "mooncake://"),
+        ("mooncake://m?metadata=x", "mooncake://"),
+        ("mooncake://m:1", "metadata"),
+        ("mooncake://m:1?metadata=x&ttl=3", "unknown store parameter"),
+        ("mooncake://m:1?metadata=x&local_mib=big", "numbers"),
+        ("mooncake://m:1?metadata=x&local_mib=0", "positive"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            StoreAddress.parse(bad)
+
+
+def _entry(key: str, seed: int) -> tuple[list, torch.Tensor]:
+    embeds = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed))
+    return entry_parts(key, MODEL, embeds, ()), embeds
+
+
+def test_round_trip_first_writer_and_replace(store_cluster):
+    store = MooncakeStore(StoreAddress.parse(store_cluster.url + "&local_mib=1"))
+    try:
+        key = entry_key("01" * 16, MODEL, torch.float32)
+        assert store.get(key) is None
+        parts, embeds = _entry(key, 0)
+        assert store.put(key, parts) == sum(memoryview(p).nbytes for p in parts)
+        got, _ = read_entry(
+            store.get(key),
+            key=key,
+            model=MODEL,
+            dtype=torch.float32,
+            num_tokens=64,
+            hidden=32,
+            deepstack=0,
+        )
+        assert torch.equal(got, embeds)
+        # A second put keeps the first writer's rows; a replace overwrites them.
+        other, other_embeds = _entry(key, 1)
+        store.put(key, other)
+        got, _ = read_entry(
+            store.get(key),
+            key=key,
+            model=MODEL,
+            dtype=torch.float32,
+            num_tokens=64,
+            hidden=32,
+            deepstack=0,
+        )
+        assert torch.equal(got, embeds)
+        store.put(key, other, replace=True)
+        got, _ = read_entry(
+            store.get(key),
+            key=key,
+            model=MODEL,
+            dtype=torch.float32,
+            num_tokens=64,
+            hidden=32,
+            deepstack=0,
+        )
+        assert torch.equal(got, other_embeds)
+        # An entry larger than the client's staging buffer is not published, and says why.
+        big = [torch.zeros(2 << 20, dtype=torch.uint8).numpy()]
+        with pytest.raises(StoreError, match="buffer"):
+            store.put(entry_key("02" * 16, MODEL, torch.float32), big)
+        assert store.get(entry_key("02" * 16, MODEL, torch.float32)) is None
+        assert store.available()  # a refused entry is no reason to leave the store alone
+    finally:
+        store.close()
+
+
+def test_master_down_opens_the_breaker_then_recovers(mooncake, tmp_path):
+    from tests.store.cluster import Cluster
+
+    c = Cluster(tmp_path).start()
+    store = None
+    try:
+        store = MooncakeStore(StoreAddress.parse(c.url))
+        key = entry_key("03" * 16, MODEL, torch.float32)
+        parts, _ = _entry(key, 3)
+        store.put(key, parts)
+        c.stop_master()
+        with pytest.raises(StoreError):
+            store.put(entry_key("04" * 16, MODEL, torch.float32), parts)
+        assert not store.available()
+        t0 = time.monotonic()
+        with pytest.raises(StoreError, match="left alone"):
+            store.get(key)  # no call while the breaker is open: at once
+        assert time.monotonic() - t0 < 0.5
+        c.start_master()
+        deadline = time.monotonic() + 30
+        while True:
+            time.sleep(0.5)
+            try:
+                key2 = entry_key("05" * 16, MODEL, torch.float32)
+                store.put(key2, _entry(key2, 5)[0])
+                break
+            except StoreError:
+                assert time.monotonic() < deadline, "the store did not come back"
+        assert store.get(key2) is not None
+    finally:
+        if store is not None:
+            store.close()
+        c.stop()
