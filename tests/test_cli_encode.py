@@ -238,6 +238,43 @@ def test_interrupt_inside_the_write_leaves_no_output(tmp_path, sig):
     assert _leftovers(tmp_path, out) == []
 
 
+# A hook for the child process: the folder sync after the rename says so on stderr and waits
+# 1.5 s before syncing, so the test's signal lands after the output is in place.
+_PAUSE_IN_FOLDER_SYNC = """
+import sys, time
+import mmferry.commands.outfile as outfile
+real = outfile._sync_folder
+def paused(folder):
+    print("syncing the folder", file=sys.stderr, flush=True)
+    until = time.monotonic() + 1.5
+    while time.monotonic() < until:
+        time.sleep(0.05)
+    real(folder)
+outfile._sync_folder = paused
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupt_after_the_rename_exits_130_with_the_output_complete(tmp_path, sig):
+    for i in range(3):
+        _png(tmp_path / f"{i}.png", 64, 64, i)
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"an earlier run's output")
+    args = [str(tmp_path / "*.png"), "--out", str(out), "--depth", "1"]
+    p = _encode(args, tmp_path, code=_PAUSE_IN_FOLDER_SYNC)
+    lines = []
+    while not lines or "syncing the folder" not in lines[-1]:
+        lines.append(p.stderr.readline())
+        assert lines[-1], "".join(lines)  # the child ended without reaching the sync
+    p.send_signal(sig)
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr
+    assert f"interrupted; {out} was written" in stderr and "Traceback" not in stderr
+    assert "wrote 3 items" not in stderr  # the command stopped at the signal
+    assert len(load_file(out)) == 3  # the new output, complete
+    assert _leftovers(tmp_path, out) == []
+
+
 # A hook for the child process: the first item the main thread preprocesses runs code compiled
 # from a string (as a dataclass built during a lazy import does), which sends the signal to its
 # own process, so the handler raises there. CPython marks a plain KeyboardInterrupt leaving such
@@ -523,8 +560,10 @@ def test_a_signal_at_any_bytecode_of_the_write(tmp_path):
         assert (content == new) == bool(done)
         assert raised or content == new  # a normal return means the output is written
         outcomes[(raised, content == new)] += 1
-    # Signals before the rename stop the write; later ones find it done.
-    assert outcomes[(True, False)] > 10 and outcomes[(False, True)] > 10, outcomes
+    # Signals before the rename stop the write; later ones find it done and are still raised:
+    # only the last call, which ran out of bytecodes before its signal, returns.
+    assert outcomes[(True, False)] > 10 and outcomes[(True, True)] > 10, outcomes
+    assert outcomes[(False, True)] == 1, outcomes
 
 
 def test_a_model_that_cannot_be_built_is_one_line(tmp_path, monkeypatch, capsys):

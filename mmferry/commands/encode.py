@@ -4,10 +4,12 @@ Inputs are files, folders (searched recursively for known image and video suffix
 globs. An input that fails (unreadable, refused, or its encode fails) is named on one line and
 skipped; the others are written. The output appears only complete: it is written beside its
 final name, synced and renamed; an error or an interrupt (SIGINT, SIGTERM) before the rename
-leaves nothing and an existing file as it was. --out is checked before any work.
+leaves nothing and an existing file as it was; an interrupt after it stops the command (130)
+once the folder is synced, the output complete. --out is checked before any work.
 Exit status: 0 all encoded; 1 some inputs failed, the rest written; 2 nothing written: no
 inputs, all failed, the model cannot be built, or --out unusable (a folder, not writable);
-3 nothing written: the write failed (no space, I/O error); 130 interrupted.
+3 nothing written: the write failed (no space, I/O error); 130 interrupted (nothing written,
+or the output complete when the signal came after the rename: the message says which).
 """
 
 from __future__ import annotations

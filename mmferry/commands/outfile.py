@@ -2,9 +2,11 @@
 
 The file is created under a temporary name beside its target (one filesystem, so the rename is
 atomic), written, synced, renamed over the target, and the folder is synced. SIGINT and SIGTERM
-are only recorded from the creation of the temporary file to the rename: one that arrives before
-the rename stops the write there and removes the temporary file; none can land between creating
-the file and the code that removes it, or between the rename and the record that it happened.
+are only recorded from the creation of the temporary file to the end of the folder sync: one that
+arrives before the rename stops the write there and removes the temporary file; one that arrives
+after it is raised once the folder is synced, the output complete. None can land between
+creating the file and the code that removes it, or between the rename and the record that it
+happened.
 The process umask is never changed: the file is created with mode 0o666 and the umask applies.
 """
 
@@ -62,8 +64,9 @@ def write_atomic(out: Path, write: Callable[[BinaryIO], None], done: list[Path])
     """Write `out` with `write(file)`, atomically and synced; `done` gets `out` at the rename.
 
     `Interrupted` (SIGINT or SIGTERM) before the rename: nothing is left (no temporary file,
-    no folder this call created) and `out` is as it was. OutputError when it cannot be written
-    (nothing is left either).
+    no folder this call created) and `out` is as it was; after it: raised once the folder is
+    synced, `out` complete and in `done`. OutputError when it cannot be written (nothing is
+    left either).
     """
     out = out.resolve()
     tmp = out.with_name(f".{out.name}.{secrets.token_hex(6)}.tmp")
@@ -90,6 +93,11 @@ def write_atomic(out: Path, write: Callable[[BinaryIO], None], done: list[Path])
                 _remove_folders(made)
                 raise
             _sync_folder(out.parent)
+        # NOTE: checked once the handlers are back, so that no signal falls between the check
+        # and them. One recorded before the rename stopped the write above; one recorded after
+        # it stops the command here, the output complete.
+        if caught:
+            raise Interrupted(caught[0])
     except OSError as e:
         # The path the system names, when it is not the output or its temporary (a folder).
         where = f" ({e.filename})" if e.filename and Path(e.filename) not in (out, tmp) else ""
