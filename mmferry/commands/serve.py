@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from mmferry.commands import positive_int, quoted
 from mmferry.commands.model_args import add_model_args, build
@@ -191,8 +190,7 @@ def run(args: argparse.Namespace) -> int:
             fetch_concurrency=args.fetch_concurrency,
             preprocess_threads=args.preprocess_threads,
             store=args.store,
-            # The checkpoint folder's name (the same on every host of a pool) or the random tower.
-            model_name=Path(args.model).name if args.model else f"random-{args.random}",
+            model=args.model or f"random-{args.random}",
         )
         if args.store is not None:  # a bad address or a missing extra, before the model loads
             from mmferry.store.mooncake import StoreAddress, import_mooncake

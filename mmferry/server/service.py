@@ -64,10 +64,10 @@ class ServiceConfig:
     api_key: str | None = None
     drain_timeout_s: float = 30.0  # SIGTERM to exit, however many requests are still open
     body_timeout_s: float = 30.0  # a request body must arrive in full within this (408)
-    # A shared store of encoder outputs (mooncake://...; mmferry/store/) and the checkpoint's
-    # name in its keys; None: this service's own cache only.
+    # A shared store of encoder outputs (mooncake://...; mmferry/store/) and the checkpoint
+    # folder (or random tower's name) whose identity keys it; None: this service's cache only.
     store: str | None = None
-    model_name: str = ""
+    model: str = ""
 
     def __post_init__(self) -> None:
         if self.preprocess_threads is None:
@@ -304,7 +304,7 @@ def _shared_store(config: ServiceConfig, encoder: VisionEncoder, metrics: Metric
         return None
     from mmferry.store.shared import SharedStore
 
-    return SharedStore(config.store, encoder, config.model_name, metrics)
+    return SharedStore(config.store, encoder, config.model, metrics)
 
 
 def _choice(options: dict[str, Any], name: str, default: str, allowed: Sequence[str]) -> str:

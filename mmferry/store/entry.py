@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,12 +44,32 @@ class ModelIdentity:
 
     @classmethod
     def of(cls, name: str, tower: torch.nn.Module) -> ModelIdentity:
-        h = blake3(max_threads=blake3.AUTO)
-        for key, t in sorted(tower.state_dict().items()):
-            t = t.detach().contiguous().cpu()
-            h.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
-            h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
-        return cls(name, h.hexdigest(length=16))
+        """A tower built in this process (the random towers)."""
+        return cls(name, _weights_hash(tower.state_dict().items()))
+
+    @classmethod
+    def of_checkpoint(cls, model_dir: str | Path) -> ModelIdentity:
+        """A checkpoint folder's: its name and its vision weights as stored, read one tensor
+        at a time, so an encoder and an engine's connector on the same checkpoint agree
+        whatever dtype or device each runs in."""
+        from mmferry.encoder.loader import iter_vision_tensors
+        from mmferry.models import load_model_config, spec_for
+
+        spec = spec_for(load_model_config(model_dir).model_type)
+        cpu = torch.device("cpu")
+        tensors = iter_vision_tensors(model_dir, spec, device=cpu, dtype=torch.float32)
+        return cls(Path(model_dir).resolve().name, _weights_hash(tensors))
+
+
+def _weights_hash(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """BLAKE3 over each tensor's name, dtype, shape and bytes, in name order."""
+    each = []
+    for key, t in tensors:
+        t = t.detach().contiguous().cpu()
+        h = blake3(f"{key}:{t.dtype}:{tuple(t.shape)};".encode(), max_threads=blake3.AUTO)
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
+        each.append((key, h.digest()))
+    return blake3(b"".join(d for _, d in sorted(each))).hexdigest(length=16)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mmferry.encoder.model import VisionOutput
@@ -65,11 +66,16 @@ class StoreMetrics:
 class SharedStore:
     """The service's side of the store: look up before encoding, publish after."""
 
-    def __init__(self, url: str, encoder: VisionEncoder, model_name: str, metrics: Metrics) -> None:
+    def __init__(self, url: str, encoder: VisionEncoder, model: str, metrics: Metrics) -> None:
         self.address = StoreAddress.parse(url)
         import_mooncake()  # the extra's message now, not on the first lookup's thread
         self.encoder = encoder
-        self.identity = ModelIdentity.of(model_name, encoder.tower)
+        # A checkpoint folder's identity is read from its files, so engines can compute it.
+        self.identity = (
+            ModelIdentity.of_checkpoint(model)
+            if Path(model).is_dir()
+            else ModelIdentity.of(model, encoder.tower)
+        )
         self.metrics = StoreMetrics(metrics)
         self._store: MooncakeStore | None = None
         self._connect_after = 0.0

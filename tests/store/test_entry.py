@@ -111,3 +111,30 @@ def test_model_identity_tells_weights_apart():
     with torch.no_grad():
         b.bias[0] += 1e-6
     assert ModelIdentity.of("m", b) != ia
+
+
+def test_checkpoint_identity_is_its_vision_weights(tmp_path):
+    """The identity an engine computes from the checkpoint folder: the same for a copy sharded
+    differently, another for other vision weights, blind to language-model weights."""
+    pytest.importorskip("transformers")
+    from mmferry.testing import save_tiny_checkpoint
+
+    folder, _ = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "ckpt")
+    ident = ModelIdentity.of_checkpoint(folder)
+    assert ident.name == "ckpt" and len(ident.weights) == 32
+    assert ModelIdentity.of_checkpoint(folder) == ident
+    resharded, _ = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "ckpt2", max_shard_size="200KB")
+    assert len(list(resharded.glob("*.safetensors"))) > 1
+    assert ModelIdentity.of_checkpoint(resharded).weights == ident.weights
+    from safetensors.torch import load_file, save_file
+
+    (path,) = folder.glob("*.safetensors")
+    state = load_file(path)
+    lm = next(k for k in state if "visual" not in k)
+    state[lm] = state[lm] + 1
+    save_file(state, path, metadata={"format": "pt"})
+    assert ModelIdentity.of_checkpoint(folder).weights == ident.weights
+    vis = next(k for k in state if "visual" in k and state[k].is_floating_point())
+    state[vis] = state[vis] + 1e-3
+    save_file(state, path, metadata={"format": "pt"})
+    assert ModelIdentity.of_checkpoint(folder).weights != ident.weights
