@@ -26,6 +26,15 @@ def test_the_distinct_workloads_repeat_no_image():
     assert len(set(sizes)) == len(sizes)  # all-distinct sizes
 
 
+def test_the_headline_workload_is_the_all_distinct_one():
+    # Repeats measure mostly the cache, which the transformers baseline lacks: they come second.
+    first, second = load.workloads()[:2]
+    assert first.name == "all distinct"
+    assert len({j for r in first.seq for j in r}) == len(first.seq)
+    assert "repeats" in second.name and "cache" in second.name
+    assert len({j for r in second.seq for j in r}) < len(second.seq)
+
+
 def test_check_refuses_items_out_of_order_and_a_cache_over_its_bound():
     proc = mf.Processor.for_model("qwen3-vl")
     w = load.workloads()[-1]
