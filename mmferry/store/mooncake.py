@@ -168,10 +168,22 @@ class MooncakeStore:
             raise self._failed("get_into", got)
         return got
 
+    def exists(self, key: str) -> bool:
+        """Whether `key` is in the store (Mooncake leases it for its lease time); StoreError."""
+        self._check()
+        rc = self._client.is_exist(key)
+        if rc < 0:
+            raise self._failed("is_exist", rc)
+        return rc == 1
+
     def register(self, ptr: int, size: int) -> None:
+        """Register a host buffer for `get_into` (zero-copy reads into it)."""
         rc = self._client.register_buffer(ptr, size)
         if rc != 0:
             raise StoreError(f"register_buffer failed with code {rc}")
+
+    def unregister(self, ptr: int) -> None:
+        self._client.unregister_buffer(ptr)
 
     def put(self, key: str, parts: list[Any], *, replace: bool = False) -> int:
         """Publish the concatenation of `parts` under `key`; its size; StoreError. Without

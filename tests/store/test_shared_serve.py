@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -203,3 +204,42 @@ def test_master_stopped_mid_run_degrades_then_recovers(pool, store_cluster):
     assert metric(e2, "mmferry_store_hits") == hits + 1
     assert metric(e2, "mmferry_encoded_items") == encoded
     assert "answers again" in "".join(e1.lines)
+
+
+def test_engine_reads_rows_of_a_killed_encoder(pool, store_cluster):
+    """An engine's reader takes encoder 1's rows from the store after encoder 1 is SIGKILLed:
+    `[main | ds0 | ...]` rows, byte for byte what encoder 1 answered; an item it lacks or whose
+    entry does not fit the item is left out (the connector then loads it another way)."""
+    from mmferry.embed.packed import packed_rows
+    from mmferry.store.engine import StoreReader, identity_for
+
+    e1, _ = pool
+    model = identity(e1)
+    published = metric(e1, "mmferry_store_published")
+    first = encode(e1, seed=600)
+    wait_for(lambda: metric(e1, "mmferry_store_published") > published, "publication")
+    e1.proc.send_signal(signal.SIGKILL)
+    e1.proc.wait(timeout=30)
+    n, d = first.embeds.shape
+    levels = len(first.deepstack)
+    reader = StoreReader(
+        store_cluster.url,
+        identity_for(f"{model.name}@{model.weights}"),
+        dtype=torch.float32,
+        hidden=d,
+        deepstack=levels,
+    )
+    try:
+        absent = "0" * 32
+        assert reader.lookup_pins([first.hash, absent]) == [reader.lease_s, 0.0]
+        rows = reader.load({first.hash: n, absent: n}, torch.device("cpu"), torch.bfloat16)
+        assert list(rows) == [first.hash]
+        want = packed_rows(first.embeds, first.deepstack, dtype=torch.bfloat16)
+        assert rows[first.hash].shape == (n, d * (1 + levels))
+        assert same_bytes(rows[first.hash], want)
+        # The plan says another token count: the entry is not this item's, and is refused.
+        assert reader.load({first.hash: n + 4}, torch.device("cpu"), torch.float32) == {}
+    finally:
+        reader.close()
+    with pytest.raises(ValueError, match="NAME@WEIGHTS"):
+        identity_for("no-weights-here")
