@@ -135,3 +135,11 @@ def test_a_per_item_size_past_the_decode_bound_is_refused(checkpoint, media, par
     part = {**part, key: media[part[key]]}
     with pytest.raises(PartError, match="message 1 part 1 .*more than max_decoded_pixels=200000"):
         proc.apply_chat_template(_msgs(part), tokenize=True, return_dict=True)
+
+
+def test_a_per_item_size_under_one_patch_is_refused(proc, media):
+    # qwen-vl-utils' max-pixels branch has no lower clamp: a budget under one merged patch
+    # sizes a side to 0, which would reach the resize.
+    part = {"type": "image", "image": media["small"], "min_pixels": 1, "max_pixels": 100}
+    with pytest.raises(PartError, match="message 1 part 1 .*size keys give 0x0, under"):
+        proc.apply_chat_template(_msgs(part), tokenize=True, return_dict=True)
