@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,6 +26,7 @@ from mmferry.preprocess.decode import as_batch, decode_image
 from mmferry.preprocess.image import process_image
 from mmferry.preprocess.patchify import resize_u8
 from mmferry.preprocess.sampling import frame_timestamps
+from mmferry.preprocess.threads import intra_op_threads, preprocess_threads, threads_for
 from mmferry.preprocess.video import process_video
 
 
@@ -77,10 +78,6 @@ def _image(
     # [3, H, W] -> [3, h, w]
     resized = resize_u8(as_batch(pixels), h, w)[0]
     return _checked(part, process_image, resized, kept, layout=layout, threads=threads)
-
-
-def _frames_tensor(frames: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(frames) if len(frames) > 1 else frames[0][None]
 
 
 def _video_file(
@@ -142,18 +139,38 @@ def _retime(
 
 
 def _frame_list(
-    cfg: ProcessorConfig, part: MediaPart, layout: Layout, threads: int | None
+    cfg: ProcessorConfig,
+    part: MediaPart,
+    layout: Layout,
+    threads: int | None,
+    read_frame: Callable[[int, Any], Any] | None,
 ) -> MultimodalItem:
     keys = part.options
-    frames = [_checked(part, decode_image, f, cfg.max_decoded_pixels).pixels for f in part.source]
-    h, w = frames[0].shape[1:]
-    h, w = _checked(part, qwen_keys.frame_list_size, h, w, keys, cfg.factor)
+    given = len(part.source)
+    if not given:
+        raise part.error("its list of frames is empty")
     # qwen-vl-utils pads the list to an even count with the last frame.
-    frames += [frames[-1]] * (-len(frames) % qwen_keys.FRAME_FACTOR)
-    n = len(frames)
-    size = _checked(part, qwen_keys.video_size, n, h, w, keys, cfg.factor)
-    kept = _keeping(part, cfg, n, *size)
-    resized = _frames_tensor([resize_u8(as_batch(f), *size)[0] for f in frames])
+    n = given + (-given % qwen_keys.FRAME_FACTOR)
+    resized = torch.empty(0, dtype=torch.uint8)
+    kept, size = cfg, (0, 0)
+    # NOTE: one frame at a time: read (a service checks its header there), decode, resize into
+    # its place, drop. Decoding every frame at full size first held them all at once (about
+    # 23 MiB per 2000x2000 frame, whatever the final size).
+    for k, source in enumerate(part.source):
+        data = source if read_frame is None else read_frame(k, source)
+        pixels = _checked(part, decode_image, data, cfg.max_decoded_pixels).pixels
+        del data
+        if k == 0:
+            # The first frame sizes them all, as qwen-vl-utils sizes the list.
+            h, w = pixels.shape[1:]
+            h, w = _checked(part, qwen_keys.frame_list_size, h, w, keys, cfg.factor)
+            size = _checked(part, qwen_keys.video_size, n, h, w, keys, cfg.factor)
+            kept = _keeping(part, cfg, n, *size)  # a size past the decode limit is refused
+            resized = torch.empty((n, 3, *size), dtype=torch.uint8)
+        with intra_op_threads(threads_for(3 * size[0] * size[1], preprocess_threads(threads))):
+            resized[k] = resize_u8(as_batch(pixels), *size)[0]
+        del pixels
+    resized[given:] = resized[given - 1]
     sample_fps = keys.get("sample_fps", qwen_keys.FRAME_LIST_FPS)
     rate = keys.get("raw_fps", sample_fps)
     item = _checked(
@@ -176,9 +193,11 @@ def build_item(
     call: dict[str, Any],
     *,
     threads: int | None = None,
+    read_frame: Callable[[int, Any], Any] | None = None,
 ) -> MultimodalItem:
     """The item for one media part (`call`: the call's `fps` / `num_frames` for videos;
-    `threads`: the processor's, see preprocess/threads.py)."""
+    `threads`: the processor's, see preprocess/threads.py; `read_frame(k, source)`: a listed
+    frame's source as it is decoded, just before, one frame at a time)."""
     cfg = proc.config
     if part.modality == "image":
         return _image(cfg, part, layout, threads)
@@ -187,5 +206,6 @@ def build_item(
         # A THWC array (or TCHW tensor) is a list of frames in one block.
         source = list(source)
     if isinstance(source, list):
-        return _frame_list(cfg, dataclasses.replace(part, source=source), layout, threads)
+        part = dataclasses.replace(part, source=source)
+        return _frame_list(cfg, part, layout, threads, read_frame)
     return _video_file(cfg, part, layout, call, threads)

@@ -37,7 +37,14 @@ from mmferry.server.encoded import EncodedItem, to_bytes
 from mmferry.server.limits import Limits, RequestError, shown
 from mmferry.server.metrics import Metrics
 from mmferry.server.remote import RemoteFetcher
-from mmferry.server.sources import check_media, parse_request, refused, source_policy
+from mmferry.server.sources import (
+    check_frame,
+    check_frame_count,
+    check_media,
+    parse_request,
+    refused,
+    source_policy,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RESPONSES = ("safetensors", "shm")
@@ -229,11 +236,25 @@ class EncoderService:
         limits = self.config.limits
         t0 = time.perf_counter()
         try:
-            part = read_part(part, self._policy, fetched)
-            check_media(part, limits, self.processor.config)
-            t1 = time.perf_counter()
-            self.metrics.stage_seconds.labels("fetch").observe(fetched_s + t1 - t0)
-            item = build_item(self.processor, part, layout, {}, threads=threads)
+            if part.modality == "video" and isinstance(part.source, list):
+                # A list of frames: each read and checked from its header just before it is
+                # decoded (chat/media.py), so one frame's bytes and pixels are held at a time.
+                def read_frame(k: int, source: Any) -> Any:
+                    one = read_part(dataclasses.replace(part, source=source), self._policy, fetched)
+                    check_frame(part, k, one.source, limits)
+                    return one.source
+
+                t1 = time.perf_counter()
+                self.metrics.stage_seconds.labels("fetch").observe(fetched_s)
+                item = build_item(
+                    self.processor, part, layout, {}, threads=threads, read_frame=read_frame
+                )
+            else:
+                part = read_part(part, self._policy, fetched)
+                check_media(part, limits, self.processor.config)
+                t1 = time.perf_counter()
+                self.metrics.stage_seconds.labels("fetch").observe(fetched_s + t1 - t0)
+                item = build_item(self.processor, part, layout, {}, threads=threads)
         except PartError as e:
             raise refused(e) from None
         except ValueError as e:  # a decoder's refusal outside the part's own checks
@@ -248,6 +269,10 @@ class EncoderService:
         the answer's dtype and form; RequestError for anything refused."""
         parts, options = parse_request(body, self._policy)
         layout, dtype, response = self._options(options, local)
+        for part in parts:
+            # NOTE: before any source is fetched or read: a list of frames is counted from its
+            # length (500 references under --limit-frames 10 read nothing).
+            check_frame_count(part, self.config.limits, self.processor.config)
         request = next(self._requests)
         tasks = [asyncio.ensure_future(self._prepare(part, layout, request)) for part in parts]
         try:

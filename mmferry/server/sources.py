@@ -5,7 +5,9 @@ parsed by `mmferry.chat.parts`, the parser the library uses, under a `SourcePoli
 the limits: allowed folders and hosts, the byte and item limits, absolute paths only, no
 in-memory objects, and reads deferred, so that files are read on the preprocessing threads and
 URLs fetched on the event loop (remote.py). `check_media` then bounds pixels and frames from
-each file's header, before any pixel is decoded.
+each file's header, before any pixel is decoded; a list of frames is counted before any frame
+is read (`check_frame_count`) and each frame checked as it is read (`check_frame`), so one
+frame is held at a time.
 """
 
 from __future__ import annotations
@@ -125,6 +127,20 @@ def _check_frames(name: str, held: int, total: int, limits: Limits) -> None:
         )
 
 
+def check_frame_count(part: MediaPart, limits: Limits, cfg: ProcessorConfig) -> None:
+    """A list of frames against the frame limit, from its length alone (422): every listed
+    frame is kept, padded to an even count, as qwen-vl-utils keeps them (no sampling)."""
+    if part.modality != "video" or not isinstance(part.source, list):
+        return
+    n = len(part.source) + len(part.source) % qwen_keys.FRAME_FACTOR
+    _check_frames(part.where, n + (-n % cfg.temporal_patch_size), len(part.source), limits)
+
+
+def check_frame(part: MediaPart, k: int, data: bytes, limits: Limits) -> None:
+    """Frame `k` of a list against the pixel limit, from its header (422)."""
+    _check_image(data, f"{part.where} frame {k}", limits)
+
+
 def check_media(part: MediaPart, limits: Limits, cfg: ProcessorConfig) -> None:
     """Pixel and frame limits from the headers, before any decoding (422); 422 if unreadable.
     Frames are counted as the part samples them: by its own keys (fps, nframes, ...) if any."""
@@ -132,11 +148,10 @@ def check_media(part: MediaPart, limits: Limits, cfg: ProcessorConfig) -> None:
     if part.modality == "image":
         _check_image(part.source, name, limits)
         return
-    if isinstance(part.source, list):  # a list of frames, padded to an even count as sampled
-        n = len(part.source) + len(part.source) % qwen_keys.FRAME_FACTOR
-        _check_frames(name, n + (-n % temporal), len(part.source), limits)
+    if isinstance(part.source, list):
+        check_frame_count(part, limits, cfg)
         for k, frame in enumerate(part.source):
-            _check_image(frame, f"{name} frame {k}", limits)
+            check_frame(part, k, frame, limits)
         return
     from mmferry.preprocess.video import sample_indices
     from mmferry.preprocess.video_decode import probe_video

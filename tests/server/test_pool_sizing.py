@@ -14,17 +14,13 @@ import pytest
 from PIL import Image
 
 import mmferry as mf
-from mmferry.commands.model_args import shallow
-from mmferry.encoder.model import VisionEncoder
-from mmferry.models import spec_for
 from mmferry.preprocess import buffers
 from mmferry.preprocess import scheduler as scheduler_mod
 from mmferry.server.limits import Limits, RequestError
-from mmferry.server.service import EncoderService, ServiceConfig
+
+from .in_process import prepare
 
 PROC = mf.Processor.for_model("qwen3-vl")
-# prepare() never encodes; a one-layer tower keeps the service quick to build.
-TOWER = shallow(spec_for("qwen3-vl").random_config, 1)
 
 
 def _data_url(width: int, height: int) -> str:
@@ -32,24 +28,6 @@ def _data_url(width: int, height: int) -> str:
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, "JPEG", quality=80)
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _prepare(body: dict[str, Any], limits: Limits) -> list[Any]:
-    """The request's items from a service in this process (a real pool and encoder)."""
-
-    async def run() -> list[Any]:
-        service = EncoderService(
-            PROC,
-            VisionEncoder.random("qwen3-vl", config=TOWER),
-            ServiceConfig(limits=limits, shm_bytes=0, preprocess_threads=2),
-        )
-        await service.start()
-        try:
-            return (await service.prepare(body, local=True))[0]
-        finally:
-            await service.close()
-
-    return asyncio.run(run())
 
 
 @pytest.fixture
@@ -74,13 +52,13 @@ def test_a_header_over_the_pixel_limit_never_sizes_the_buffer_cache(asks):
     # 2000x1500 = 3 MP against a 1 MP limit: refused, and the cache was never raised to the
     # 12 MB of decoded pixels the header claims.
     with pytest.raises(RequestError) as refused:
-        _prepare({"content": [_part(_data_url(2000, 1500))]}, Limits(max_pixels=1_000_000))
+        prepare({"content": [_part(_data_url(2000, 1500))]}, Limits(max_pixels=1_000_000))
     assert refused.value.kind == "over_limit"
     assert asks == [0]
 
 
 def test_an_image_within_the_limit_asks_for_its_own_bytes(asks):
-    items = _prepare({"content": [_part(_data_url(800, 600))]}, Limits(max_pixels=1_000_000))
+    items = prepare({"content": [_part(_data_url(800, 600))]}, Limits(max_pixels=1_000_000))
     assert len(items) == 1
     assert asks == [scheduler_mod.image_bytes(600, 800, PROC.config, "compact-u8")]
 
@@ -100,7 +78,7 @@ def test_headers_are_read_off_the_event_loop(monkeypatch):
 
     monkeypatch.setattr(Image, "open", recording_open)
     asyncio.run(run())
-    _prepare({"content": [_part(_data_url(64, 48)), _part(_data_url(96, 80))]}, Limits())
+    prepare({"content": [_part(_data_url(64, 48)), _part(_data_url(96, 80))]}, Limits())
     # The loop of `_prepare` runs on this thread, as the loop of `run` did.
     assert loop_threads == [threading.current_thread()]
     assert opened, "no image header was read"
