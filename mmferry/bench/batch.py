@@ -2,9 +2,13 @@
 
 Workload: 64 seeded JPEGs, all of distinct sizes, 0.3 to 12 MP (log-spaced, four aspect
 ratios), to the Qwen3-VL default resize. Figures:
-- the batch API on 2 threads against the same API on 1 thread and against the per-item loop
-  (`[proc.image(s) for s in sources]`), JPEG bytes (compact-u8 and hf) and decoded PIL images
-  (compact-u8); every batch item is checked equal to its per-item call first;
+- the batch API on 2 threads against the same API on 1 thread, against the per-item loop
+  (`[proc.image(s) for s in sources]`) on 1 thread and against that loop on the same 2 threads
+  (each item splitting its own resize and gather); every batch item is checked equal to its
+  per-item call first. Twice: JPEGs of sizes new every round (every side takes the next set at
+  every call, so no buffer the cache recycles fits a size it saw before), then the same JPEGs
+  every round (the buffer cache warm after the first), JPEG bytes (compact-u8 and hf) and
+  decoded PIL images (compact-u8);
 - per stage (decode, resize, patch rows, key), the 64 items' stage on 2 threads against 1,
   and, for the largest item, the longest stretch in which the stage kept other threads from
   running Python (held the GIL): what holds it stays serial however many threads there are;
@@ -67,6 +71,39 @@ def make_jpegs(n: int, lo_mp: float, hi_mp: float, seed: int = 20) -> list[bytes
     return out
 
 
+def distinct_jpegs(
+    n: int, lo_mp: float, hi_mp: float, batches: int, seed: int = 21
+) -> list[list[bytes]]:
+    """`batches` sets of `n` JPEGs, `make_jpegs`' sizes grown by another step in each set, so
+    that no size repeats across sets (each step moves the width by more than the 32-pixel
+    rounding of the resize); cropped from one seeded field."""
+    base = []
+    for i, mp in enumerate(np.exp(np.linspace(np.log(lo_mp * 1e6), np.log(hi_mp * 1e6), n))):
+        w = int(round((mp * ASPECTS[i % len(ASPECTS)]) ** 0.5))
+        base.append((w, int(round(mp / w))))
+    sizes = [
+        [(w + 40 * (b + 1) + i, h + 24 * (b + 1)) for i, (w, h) in enumerate(base)]
+        for b in range(batches)
+    ]
+    flat = [size for batch in sizes for size in batch]
+    if len(set(flat)) != len(flat):
+        raise AssertionError("the distinct-size workload repeats a size")
+    rng = np.random.default_rng(seed)
+    field = _smooth_field(rng, max(w for w, _ in flat) + 64, max(h for _, h in flat) + 64)
+    out = []
+    for b, batch in enumerate(sizes):
+        datas = []
+        for i, (w, h) in enumerate(batch):
+            y, x = (7 * i + 3 * b) % 64, (5 * i + 11 * b) % 64
+            buf = io.BytesIO()
+            Image.fromarray(np.ascontiguousarray(field[y : y + h, x : x + w])).save(
+                buf, "JPEG", quality=90
+            )
+            datas.append(buf.getvalue())
+        out.append(datas)
+    return out
+
+
 def _check_batch(sources: Sequence[Any], cfg: ProcessorConfig, layout: str) -> None:
     """Every batch item (2 threads) equal to its per-item call: rows, grid and key."""
     items = process_batch([ImagePart(s) for s in sources], cfg, layout=layout, threads=2)
@@ -77,32 +114,51 @@ def _check_batch(sources: Sequence[Any], cfg: ProcessorConfig, layout: str) -> N
             raise AssertionError(f"item {i}, {layout}: grid or key differs from the per-item call")
 
 
+BASELINES = ("batch, 1 thread", "per-item loop, 1 thread", "per-item loop, 2 threads")
+
+
 def batch_figures(
-    report: Report, sources: Sequence[Any], kind: str, cfg: ProcessorConfig, layout: str, rounds
+    report: Report,
+    batches: Sequence[Sequence[Any]],
+    kind: str,
+    cfg: ProcessorConfig,
+    layout: str,
+    rounds: int,
 ) -> None:
-    """Batch on 2 threads, batch on 1, and the per-item loop, interleaved in every round."""
-    _check_batch(sources, cfg, layout)
-    parts = [ImagePart(s) for s in sources]
-    loop_threads = preprocess_threads()
+    """Batch on 2 threads, batch on 1, and the per-item loop on 1 and on 2 threads,
+    interleaved in every round; each side takes the next of `batches` at every call (the
+    warm-up too), so one set repeated times the same sources every round."""
+    if len(batches) < rounds + 1:
+        raise ValueError(f"{rounds} rounds and a warm-up take {rounds + 1} sets of sources")
+    for sources in batches[:1] if batches[0] is batches[-1] else batches:
+        _check_batch(sources, cfg, layout)
+
+    def side(work: Callable[[Sequence[Any]], object]) -> Callable[[], float]:
+        sets = iter(batches)
+        return timed_fn(lambda: work(next(sets)))
+
+    def loop(threads: int) -> Callable[[Sequence[Any]], object]:
+        return lambda sources: [
+            process_image(s, cfg, layout=layout, threads=threads) for s in sources
+        ]
+
+    def batch(threads: int) -> Callable[[Sequence[Any]], object]:
+        return lambda sources: process_batch(
+            [ImagePart(s) for s in sources], cfg, layout=layout, threads=threads
+        )
+
     times = interleave(
         {
-            "per-item loop": timed_fn(
-                lambda: [
-                    process_image(s, cfg, layout=layout, threads=loop_threads) for s in sources
-                ]
-            ),
-            "batch, 1 thread": timed_fn(
-                lambda: process_batch(parts, cfg, layout=layout, threads=1)
-            ),
-            "batch, 2 threads": timed_fn(
-                lambda: process_batch(parts, cfg, layout=layout, threads=2)
-            ),
+            "per-item loop, 1 thread": side(loop(1)),
+            "per-item loop, 2 threads": side(loop(2)),
+            "batch, 1 thread": side(batch(1)),
+            "batch, 2 threads": side(batch(2)),
         },
         rounds=rounds,
     )
-    n = len(sources)
+    n = len(batches[0])
     rate = f"{n / statistics.median(times['batch, 2 threads']):.1f} images/s on 2 threads"
-    for base in ("batch, 1 thread", "per-item loop"):
+    for base in BASELINES:
         label = f"{n} {kind}, {layout}, batch API on 2 threads"
         report.add(Figure(label, base, times[base], times["batch, 2 threads"], note=rate))
 
@@ -218,7 +274,7 @@ def hash_figures(report: Report, datas: Sequence[bytes], rounds: int) -> None:
     """The key's own throughput: BLAKE3 against SHA-256, and BLAKE3's threads against one."""
     pixels = np.random.default_rng(3).integers(0, 256, 36_000_000, dtype=np.uint8).tobytes()
     jpegs = b"".join(datas)
-    for what, data in (("36 MB (12 MP RGB pixels)", pixels), ("the 64 JPEGs", jpegs)):
+    for what, data in (("36 MB (12 MP RGB pixels)", pixels), (f"the {len(datas)} JPEGs", jpegs)):
         mib = len(data) / 2**20
         report.add(
             compare(
@@ -290,11 +346,18 @@ def run(report: Report, quick: bool) -> None:
         flush=True,
     )
     report.section("batch")
-    batch_figures(report, datas, "JPEG bytes", cfg, "compact-u8", rounds)
+    t0 = time.perf_counter()
+    n, lo, hi = (16, 0.3, 3.0) if quick else (64, 0.3, 12.0)
+    distinct = distinct_jpegs(n, lo, hi, rounds + 1)
+    print(f"{rounds + 1} sets of sizes new every round made in {time.perf_counter() - t0:.0f} s")
+    batch_figures(report, distinct, "JPEGs of sizes new every round", cfg, "compact-u8", rounds)
+    del distinct
+    same = [datas] * (rounds + 1)
+    batch_figures(report, same, "JPEG bytes, the same every round", cfg, "compact-u8", rounds)
     if not quick:
-        batch_figures(report, datas, "JPEG bytes", cfg, "hf", rounds)
+        batch_figures(report, same, "JPEG bytes, the same every round", cfg, "hf", rounds)
         pils = [Image.open(io.BytesIO(d)).convert("RGB") for d in datas]
-        batch_figures(report, pils, "PIL images", cfg, "compact-u8", rounds)
+        batch_figures(report, [pils] * (rounds + 1), "PIL images", cfg, "compact-u8", rounds)
         del pils
     report.section("stages")
     stage_figures(report, datas, cfg, rounds)
