@@ -1,0 +1,130 @@
+"""One stack per model family for the proxy tests: vLLM's OpenAI server with the encoder-cache
+connector and `--enable-mm-embeds`, three `mmferry serve` encoders, and helpers to send chat
+completions. vLLM starts once per family (the tests of one family run together)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+pytest.importorskip("transformers")
+
+import mmferry as mf  # noqa: E402
+from tests.engines.conftest import needs_vllm  # noqa: E402
+from tests.engines.tiny_vlm import build_checkpoint  # noqa: E402
+from tests.proxy.procs import Proc, VllmServer, encoder  # noqa: E402
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+NEW_TOKENS = 8
+LOGPROB_ATOL = 1e-4
+
+
+@dataclass
+class Stack:
+    family: str
+    model: Path
+    factor: int
+    vllm: VllmServer
+    encoders: list[Proc]
+
+
+def data_url(pixels: np.ndarray) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_part(pixels: np.ndarray) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(pixels)}}
+
+
+@dataclass
+class Answer:
+    status: int
+    tokens: list[int]
+    top: list[list[tuple[int, float]]]
+    text: str = ""
+
+    def same_as(self, want: Answer) -> None:
+        """The same greedy tokens, and top logprobs equal within LOGPROB_ATOL."""
+        assert self.status == 200, self.text
+        assert self.tokens == want.tokens
+        for a, b in zip(self.top, want.top, strict=True):
+            assert [t for t, _ in a] == [t for t, _ in b]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) <= LOGPROB_ATOL
+
+
+def _ids(steps: list[dict]) -> tuple[list[int], list[list[tuple[int, float]]]]:
+    ids = lambda t: int(t.removeprefix("token_id:"))  # noqa: E731
+    tokens = [ids(s["token"]) for s in steps]
+    top = [[(ids(t["token"]), t["logprob"]) for t in s["top_logprobs"]] for s in steps]
+    return tokens, top
+
+
+def chat_body(content: list[dict], *, stream: bool = False, tokens: int = NEW_TOKENS) -> dict:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": tokens,
+        "temperature": 0.0,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "return_tokens_as_token_ids": True,
+        "stream": stream,
+    }
+
+
+def chat(
+    url: str, model: Path, content: list[dict], *, stream: bool = False, client=None
+) -> Answer:
+    """One chat completion; a stream is read event by event and its tokens joined."""
+    body = chat_body(content, stream=stream)
+    body["model"] = str(model)
+    http = client or httpx
+    if not stream:
+        r = http.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+        if r.status_code != 200:
+            return Answer(r.status_code, [], [], r.text)
+        return Answer(200, *_ids(r.json()["choices"][0]["logprobs"]["content"]))
+    steps: list[dict] = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
+        if r.status_code != 200:
+            r.read()
+            return Answer(r.status_code, [], [], r.text)
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            steps += (choice.get("logprobs") or {}).get("content") or []
+    return Answer(200, *_ids(steps))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def stack(request, tmp_path_factory) -> Iterator[Stack]:
+    """vLLM (connector toward the first encoder, embeddings on) and three encoders."""
+    needs_vllm()
+    family = request.param
+    model = build_checkpoint(family, tmp_path_factory.mktemp(family))
+    encoders: list[Proc] = []
+    vllm = None
+    try:
+        encoders = [encoder(model).start() for _ in range(3)]
+        connector = {"url": encoders[0].url}
+        vllm = VllmServer(model, tmp_path_factory.mktemp(f"vllm-{family}"), connector).start()
+        factor = mf.Processor.from_pretrained(model).config.factor
+        yield Stack(family, model, factor, vllm, encoders)
+    finally:
+        if vllm is not None:
+            vllm.stop()
+        for e in encoders:
+            e.stop()

@@ -1,0 +1,177 @@
+"""The real processes of the proxy tests, on loopback: vLLM's OpenAI server (from vLLM's own
+environment), `mmferry serve` encoders and `mmferry proxy` front ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.engines.service import free_port
+from tests.engines.vllm_harness import VLLM_PYTHON, vllm_env
+
+ROOT = Path(__file__).resolve().parents[2]
+# The chat template joins the content as vLLM renders it (text, and one vision placeholder per
+# media part), so pixels and embeddings get the same prompt.
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+START_TIMEOUT_S = 600
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    """SIGTERM, then SIGKILL after 60 s; waits for the exit."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@dataclass
+class VllmServer:
+    """`python -m vllm.entrypoints.openai.api_server` (the CPU wheel's `vllm serve` stops on its
+    package name) serving a tiny checkpoint, with `--enable-mm-embeds` and, when given, the
+    encoder-cache connector toward mmferry encoders."""
+
+    model: Path
+    work: Path
+    connector: dict | None = None
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.work / "vllm.log"
+
+    def start(self) -> VllmServer:
+        template = self.work / "template.jinja"
+        template.write_text(TEMPLATE)
+        cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+        cmd += ["--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["--enable-mm-embeds", "--dtype", "float32", "--enforce-eager", "--seed", "0"]
+        cmd += ["--max-model-len", "2048", "--max-num-seqs", "16"]
+        cmd += ["--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1})]
+        cmd += ["--chat-template", str(template)]
+        if self.connector is not None:
+            config = {
+                "ec_connector": "MmferryECConnector",
+                "ec_connector_module_path": "mmferry.engines.vllm_connector",
+                "ec_role": "ec_consumer",
+                "ec_connector_extra_config": self.connector,
+            }
+            cmd += ["--ec-transfer-config", json.dumps(config)]
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(False), cwd=self.work
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError("vLLM exited:\n" + self.log.read_text()[-4000:])
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("vLLM did not come up:\n" + self.log.read_text()[-4000:])
+            time.sleep(1)
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of a vLLM metric's samples whose labels include `labels`."""
+        return scrape(self.url, name, **labels)
+
+
+def scrape(url: str, name: str, **labels: str) -> float:
+    """The sum of the Prometheus samples `name{...}` at `url`/metrics matching `labels`."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, rest = head.partition("{")
+        if metric != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+@dataclass
+class Proc:
+    """An `mmferry` command that prints "listening on URL" once it serves."""
+
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    url: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    def start(self, timeout_s: float = 300) -> Proc:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MMFERRY_")}
+        env.update(PYTHONPATH=str(ROOT), **self.env)
+        self.lines = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mmferry", *self.args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        ready = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if "listening on " in line:
+                    self.url = line.split("listening on ")[1].strip()
+                    ready.set()
+            ready.set()  # the output ended: the process is gone
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(timeout_s) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError(f"mmferry {self.args[0]} did not start:\n" + "".join(self.lines))
+        return self
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def encoder(model: Path, port: int | None = None) -> Proc:
+    """An `mmferry serve` on a fixed port (a restart comes back at the same URL)."""
+    port = port or free_port()
+    args = ["serve", "--model", str(model), "--port", str(port)]
+    return Proc([*args, "--shm-mib", "16", "--cache-mib", "64", "--preprocess-threads", "1"])
+
+
+def proxy(llm: str, encoders: list[str], mode: str, *extra: str, **env: str) -> Proc:
+    """An `mmferry proxy` on a free port."""
+    args = ["proxy", "--llm", llm, "--mode", mode, "--dtype", "float32", "--port", "0"]
+    for url in encoders:
+        args += ["--encoder", url]
+    return Proc([*args, *extra], env=env)

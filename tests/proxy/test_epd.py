@@ -1,0 +1,264 @@
+"""`mmferry proxy` in front of the real vLLM OpenAI server and real `mmferry serve` encoders, all
+processes on loopback: the same greedy tokens (and logprobs) as vLLM given the pixels, in both
+modes, streamed and not; routing by item key; failover to other encoders and to vLLM's own
+encoding; the encoders' refusals, an unreachable vLLM and a client gone mid-stream."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.engines.service import free_port
+from tests.engines.tiny_vlm import gradient, image
+from tests.proxy.conftest import Answer, chat, chat_body, image_part
+from tests.proxy.procs import proxy, scrape
+
+pytestmark = pytest.mark.slow
+TEXT = {"type": "text", "text": "describe the image"}
+
+
+def media(stack, n: int = 2) -> list:
+    """Seeded images whose sizes are multiples of the resize factor (no resampling, so vLLM's
+    processor and mmferry start from the same pixels); noise and ramps, far apart."""
+    f = stack.factor
+    out = []
+    for i in range(n):
+        maker = image if i % 2 == 0 else gradient
+        out.append(maker((2 + i % 2) * f, (3 - i % 2) * f, i))
+    return out
+
+
+@pytest.fixture(scope="module")
+def proxies(stack):
+    """An embeds-mode proxy over the three encoders, a connector-mode one over the encoder
+    vLLM's connector reads."""
+    urls = [e.url for e in stack.encoders]
+    started = {}
+    try:
+        started["embeds"] = proxy(stack.vllm.url, urls, "embeds").start()
+        started["connector"] = proxy(stack.vllm.url, urls[:1], "connector").start()
+        yield started
+    finally:
+        for p in started.values():
+            p.stop()
+
+
+def reference(stack, content: list[dict]) -> Answer:
+    """vLLM's own answer: the pixels sent to it directly."""
+    want = chat(stack.vllm.url, stack.model, content)
+    assert want.status == 200, want.text
+    assert len(want.tokens) > 0
+    return want
+
+
+@pytest.mark.parametrize("mode", ["embeds", "connector"])
+def test_same_tokens_as_vllm_given_the_pixels(stack, proxies, mode):
+    a, b = media(stack)
+    url = proxies[mode].url
+    before = scrape(url, "mmferry_proxy_items_fallback_total")
+    for content in (
+        [image_part(a), image_part(b), TEXT],  # two images
+        [image_part(a), TEXT, image_part(a)],  # an image twice
+    ):
+        want = reference(stack, content)
+        chat(url, stack.model, content).same_as(want)
+        chat(url, stack.model, content, stream=True).same_as(want)
+    # Every item went through an encoder: none fell back to vLLM's own encoding.
+    assert scrape(url, "mmferry_proxy_items_fallback_total") == before
+    # Text-only requests and other routes pass through unchanged.
+    text_only = [TEXT]
+    chat(url, stack.model, text_only).same_as(reference(stack, text_only))
+    models = httpx.get(f"{url}/v1/models", timeout=30)
+    assert models.status_code == 200
+    assert models.json()["data"][0]["id"] == str(stack.model)
+
+
+def only_qwen2_5(stack) -> None:
+    # Routing and failure handling do not depend on the family: one family's vLLM runs them.
+    if stack.family != "qwen2_5_vl":
+        pytest.skip("run on the qwen2_5_vl stack")
+
+
+def encoded(urls: list[str]) -> list[float]:
+    """Items each encoder has encoded (its own /metrics)."""
+    return [scrape(u, "mmferry_encoded_items_total") for u in urls]
+
+
+def delta(after: list[float], before: list[float]) -> list[int]:
+    return [int(a - b) for a, b in zip(after, before)]
+
+
+def test_items_go_to_the_encoder_their_key_routes_to(stack, proxies):
+    only_qwen2_5(stack)
+    urls = [e.url for e in stack.encoders]
+    first = proxies["embeds"].url
+    f = stack.factor
+
+    # The same image in 10 requests: encoded once, on one encoder.
+    same = [image_part(image(2 * f, 2 * f, 100)), TEXT]
+    before = encoded(urls)
+    for _ in range(10):
+        assert chat(first, stack.model, same).status == 200
+    moved = delta(encoded(urls), before)
+    assert sorted(moved) == [0, 0, 1], moved
+
+    # 30 distinct images, one per request: every encoder gets some.
+    images = [[image_part(image(2 * f, 2 * f, 200 + i)), TEXT] for i in range(30)]
+    before = encoded(urls)
+    for content in images:
+        assert chat(first, stack.model, content).status == 200
+    per_encoder = delta(encoded(urls), before)
+    assert sum(per_encoder) == 30 and min(per_encoder) > 0, per_encoder
+
+    # A second replica (encoders listed in another order) picks the same encoder for every
+    # item: all 30 are cache hits where they were encoded.
+    started = []
+    try:
+        replica = proxy(stack.vllm.url, urls[::-1], "embeds").start()
+        started.append(replica)
+        hits = [scrape(u, "mmferry_cache_hits_total") for u in urls]
+        before = encoded(urls)
+        for content in images:
+            assert chat(replica.url, stack.model, content).status == 200
+        assert delta(encoded(urls), before) == [0, 0, 0]
+        assert delta([scrape(u, "mmferry_cache_hits_total") for u in urls], hits) == per_encoder
+
+        # A fourth encoder takes about a quarter of the items, and only those move.
+        from tests.proxy.procs import encoder
+
+        fourth = encoder(stack.model).start()
+        started.append(fourth)
+        wider = proxy(stack.vllm.url, [*urls, fourth.url], "embeds").start()
+        started.append(wider)
+        before = encoded([*urls, fourth.url])
+        for content in images:
+            assert chat(wider.url, stack.model, content).status == 200
+        moved = delta(encoded([*urls, fourth.url]), before)
+        assert moved[:3] == [0, 0, 0], moved
+        assert 3 <= moved[3] <= 13, moved  # 7.5 expected of 30
+    finally:
+        for p in started:
+            p.stop()
+
+
+def test_encoder_refusals_are_the_clients_answer(stack, proxies):
+    only_qwen2_5(stack)
+    a = media(stack, 1)[0]
+    broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    for mode in ("embeds", "connector"):
+        r = chat(proxies[mode].url, stack.model, [image_part(a), broken, TEXT])
+        assert r.status == 422, r.text
+        error = httpx.Response(422, content=r.text).json()["error"]
+        assert error["type"] == "bad_media"
+        assert error["message"].startswith("message 0 part 1"), error
+    # A part the proxy's own parser refuses: a URL on a host nobody allowed.
+    remote = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
+    r = chat(proxies["embeds"].url, stack.model, [remote, TEXT])
+    assert r.status == 403, r.text
+    assert "allowed hosts" in r.text
+
+
+def test_an_unreachable_vllm_is_a_502(stack):
+    only_qwen2_5(stack)
+    dead = f"http://127.0.0.1:{free_port()}"
+    front = proxy(dead, [stack.encoders[0].url], "embeds").start()
+    try:
+        for content in ([image_part(media(stack, 1)[0]), TEXT], [TEXT]):
+            r = chat(front.url, stack.model, content)
+            assert r.status == 502, r.text
+            assert "did not answer" in r.text and dead in r.text
+        assert httpx.get(f"{front.url}/health", timeout=10).json()["in_flight"] == 0
+    finally:
+        front.stop()
+
+
+def test_a_client_gone_mid_stream_cancels_the_upstream_request(stack, proxies):
+    only_qwen2_5(stack)
+    url, metric = proxies["embeds"].url, stack.vllm.metric
+    finished = metric("vllm:request_success_total", finished_reason="length")
+    generated = metric("vllm:generation_tokens_total")
+    body = chat_body([image_part(media(stack, 1)[0]), TEXT], stream=True, tokens=1500)
+    body["model"], body["ignore_eos"] = str(stack.model), True
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(3):  # a few tokens have streamed: the request runs in vLLM
+            next(lines)
+        assert metric("vllm:num_requests_running") == 1
+    # The client closed its connection: vLLM stops the request long before its 1500 tokens
+    # (it does not count aborts as finished requests).
+    deadline = time.monotonic() + 20
+    while metric("vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "vLLM still runs the request"
+        time.sleep(0.1)
+    time.sleep(1.0)
+    assert metric("vllm:request_success_total", finished_reason="length") == finished
+    assert metric("vllm:generation_tokens_total") - generated < 1000
+    assert httpx.get(f"{url}/health", timeout=10).json()["in_flight"] == 0
+
+
+def test_failover_to_other_encoders_and_to_vllm(stack, proxies):
+    only_qwen2_5(stack)
+    url = proxies["embeds"].url
+    f = stack.factor
+    contents = [
+        [image_part(image(2 * f, 3 * f, 300 + i)), image_part(gradient(3 * f, 2 * f, i)), TEXT]
+        for i in range(5)
+    ]
+    want = [reference(stack, c) for c in contents]
+    victim = stack.encoders[1]
+    up = lambda u: scrape(url, "mmferry_proxy_encoder_up", encoder=u)  # noqa: E731
+
+    # One encoder killed (SIGKILL) in the middle of 50 requests at concurrency 8.
+    done, lock = [], threading.Lock()
+
+    def one(i: int) -> tuple[int, Answer]:
+        with lock:
+            if len(done) >= 10 and victim.proc.poll() is None:
+                victim.kill()
+        answer = chat(url, stack.model, contents[i % 5])
+        with lock:
+            done.append(i)
+        return i, answer
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, range(50)))
+    assert victim.proc.poll() is not None
+    for i, answer in answers:
+        answer.same_as(want[i % 5])
+    assert up(victim.url) == 0
+    assert scrape(url, "mmferry_proxy_encoder_failures_total", encoder=victim.url) > 0
+    # Back up after it restarts (the probe's backoff is at most a few seconds here).
+    victim.start()
+    deadline = time.monotonic() + 30
+    while up(victim.url) != 1:
+        assert time.monotonic() < deadline, "the restarted encoder was not marked up"
+        time.sleep(0.2)
+
+    # Every encoder killed: vLLM encodes the pixels itself, and the answers stay the same.
+    fallback = scrape(url, "mmferry_proxy_items_fallback_total")
+    health = [httpx.get(f"{e.url}/health", timeout=10).json() for e in stack.encoders]
+    segments = [h["shm_segment"] for h in health]
+    for e in stack.encoders:
+        e.kill()
+    try:
+        for content, w in zip(contents[:2], want):
+            chat(url, stack.model, content).same_as(w)
+        assert scrape(url, "mmferry_proxy_items_fallback_total") >= fallback + 4
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        assert set(health["encoders"].values()) == {"down"}
+        # No shared-memory segment outlives a killed encoder (its reaper unlinks it).
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/dev/shm{s}") for s in segments if s):
+            assert time.monotonic() < deadline, segments
+            time.sleep(0.1)
+    finally:
+        for e in stack.encoders:
+            with contextlib.suppress(RuntimeError):
+                e.start()
