@@ -24,6 +24,10 @@ from mmferry.store.entry import ALIGN, EntryError, ModelIdentity, entry_key, rea
 from mmferry.store.mooncake import MooncakeStore, StoreAddress, StoreError, import_mooncake
 
 log = logging.getLogger("mmferry.store")
+# One Mooncake client per address in a process, however many readers (vLLM builds the connector
+# twice, scheduler and worker, in one process when its engine core runs in-process).
+_CLIENTS: dict[StoreAddress, tuple[MooncakeStore, int]] = {}
+_CLIENTS_LOCK = threading.Lock()
 LEASE_S = 10.0  # Mooncake's default --default_kv_lease_ttl
 _HEADER_SLACK = 4096  # bytes read past an entry's rows for its prefix and JSON header
 
@@ -76,11 +80,16 @@ class StoreReader:
             if self._store is None:
                 if time.monotonic() < self._connect_after:
                     raise StoreError("not connected")
-                try:
-                    self._store = MooncakeStore(self.address)
-                except StoreError:
-                    self._connect_after = time.monotonic() + self.address.retry_s
-                    raise
+                with _CLIENTS_LOCK:
+                    store, users = _CLIENTS.get(self.address, (None, 0))
+                    if store is None:
+                        try:
+                            store = MooncakeStore(self.address)
+                        except StoreError:
+                            self._connect_after = time.monotonic() + self.address.retry_s
+                            raise
+                    _CLIENTS[self.address] = (store, users + 1)
+                self._store = store
             return self._store
 
     # -- scheduler side -------------------------------------------------------------------
@@ -152,9 +161,15 @@ class StoreReader:
 
     def close(self) -> None:
         with self._lock:
-            if self._store is not None:
+            store, self._store = self._store, None
+            if store is not None:
                 if self._buf is not None:
-                    self._store.unregister(self._buf.data_ptr())
-                self._store.close()
-                self._store = None
+                    store.unregister(self._buf.data_ptr())
+                with _CLIENTS_LOCK:
+                    _, users = _CLIENTS[self.address]
+                    if users > 1:
+                        _CLIENTS[self.address] = (store, users - 1)
+                    else:
+                        del _CLIENTS[self.address]
+                        store.close()
             self._buf = None

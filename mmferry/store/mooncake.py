@@ -25,6 +25,7 @@ import torch
 
 SCHEME = "mooncake"
 NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
+PROBE_S = 2.0  # a master that does not accept a connection within this is down
 UNREACHABLE = -800  # Mooncake's transfer (-800s) and RPC (-900s) failures, and below
 
 
@@ -107,6 +108,13 @@ class MooncakeStore:
     def __init__(self, address: StoreAddress) -> None:
         self.address = address
         store = import_mooncake()
+        # NOTE: Mooncake's setup retries an absent master for about 90 s; a refused or silent
+        # port fails here within PROBE_S instead.
+        name, port = address.master.rsplit(":", 1)
+        try:
+            socket.create_connection((name, int(port)), timeout=PROBE_S).close()
+        except OSError as e:
+            raise StoreError(f"cannot reach the Mooncake master at {address.master}: {e}") from None
         self._client = store.MooncakeDistributedStore()
         # Segment 0: this client lends the store no memory; the holders (mooncake_client) do,
         # so entries outlive an encoder that is killed.

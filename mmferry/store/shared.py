@@ -84,10 +84,12 @@ class SharedStore:
         self._replace: set[str] = set()
         self._lock = threading.Lock()
         self._connecting = threading.Lock()
+        self._connect_pending = False
         self._publishing = 0
         # One thread reads, one publishes: a slow publish never holds up a lookup.
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="mmferry-store-get")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="mmferry-store-put")
+        self._connect_soon()  # in the background, while the service starts
 
     def __repr__(self) -> str:
         return f"SharedStore(mooncake://{self.address.master}, {self.identity})"
@@ -178,11 +180,33 @@ class SharedStore:
                 wanted.setdefault(it.hash, it)
         if not wanted:
             return
+        if self._store is None:
+            # Never on a request's path: the writer thread connects, these are misses.
+            self._connect_soon()
+            self.metrics.misses.inc(len(wanted))
+            return
         loop = asyncio.get_running_loop()
         found = await loop.run_in_executor(self._reader, self._fetch, list(wanted.values()))
         for h, out in found.items():
             batcher.cache.put(h, out)
             self._remember(h)
+
+    def _connect_soon(self) -> None:
+        with self._lock:
+            if self._connect_pending or time.monotonic() < self._connect_after:
+                return
+            self._connect_pending = True
+
+        def connect() -> None:
+            try:
+                self._client()
+            except StoreError:
+                pass  # counted and logged by _client
+            finally:
+                with self._lock:
+                    self._connect_pending = False
+
+        self._writer.submit(connect)
 
     # -- publication --------------------------------------------------------------------
 

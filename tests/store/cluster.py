@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,3 +140,48 @@ def _end(proc: subprocess.Popen | None) -> None:
         return
     proc.kill()
     proc.wait(timeout=30)
+
+
+@dataclass
+class Service:
+    """A real `mmferry serve` process with Mooncake importable."""
+
+    proc: subprocess.Popen
+    url: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_service(args: list[str]) -> Service:
+    """`mmferry serve --port 0 ARGS`; waits for the port it prints."""
+    cmd = [sys.executable, "-m", "mmferry", "serve", "--port", "0", *args]
+    full = {k: v for k, v in os.environ.items() if k != "MMFERRY_API_KEY"}
+    full.update(env())
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full
+    )
+    service = Service(proc)
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            service.lines.append(line)
+            # NOTE: Mooncake's own log says "listening on" too.
+            if line.startswith("mmferry serve: listening on "):
+                service.url = line.split("listening on ")[1].strip()
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(300) or not service.url:
+        service.stop()
+        raise RuntimeError("mmferry serve did not start:\n" + "".join(service.lines))
+    return service

@@ -4,12 +4,8 @@ re-encoded; a master that stops costs no request and comes back."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
@@ -19,38 +15,16 @@ import torch
 from mmferry.server.client import EncoderClient, image_part
 from mmferry.store.entry import ModelIdentity, entry_key, entry_parts, read_entry
 from mmferry.store.mooncake import MooncakeStore, StoreAddress
-from tests.server.conftest import DEPTH, IMAGE_MAX_PIXELS, Server, png
+from tests.server.conftest import DEPTH, IMAGE_MAX_PIXELS, png
 from tests.store import cluster
 
 pytestmark = pytest.mark.slow
 
 
-def start_server(store: str) -> Server:
-    """`mmferry serve --store STORE` on a free port (the one-layer random tower), with Mooncake
-    importable; waits for the port it prints."""
-    cmd = [sys.executable, "-m", "mmferry", "serve", "--port", "0", "--depth", str(DEPTH)]
-    cmd += ["--max-pixels", str(IMAGE_MAX_PIXELS), "--store", store]
-    env = {k: v for k, v in os.environ.items() if k != "MMFERRY_API_KEY"}
-    env.update(cluster.env())
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    server = Server(proc, "")
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            server.lines.append(line)
-            if line.startswith("mmferry serve: listening on "):
-                server.url = line.split("listening on ")[1].strip()
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(300) or not server.url:
-        server.stop()
-        raise RuntimeError("mmferry serve did not start:\n" + "".join(server.lines))
-    return server
+def start_server(store: str) -> cluster.Service:
+    """`mmferry serve --store STORE` with the one-layer random tower."""
+    args = ["--depth", str(DEPTH), "--max-pixels", str(IMAGE_MAX_PIXELS), "--store", store]
+    return cluster.start_service(args)
 
 
 def metric(server, name: str) -> float:
@@ -243,3 +217,27 @@ def test_engine_reads_rows_of_a_killed_encoder(pool, store_cluster):
         reader.close()
     with pytest.raises(ValueError, match="NAME@WEIGHTS"):
         identity_for("no-weights-here")
+
+
+def test_store_absent_at_start_costs_no_request(mooncake, tmp_path):
+    """A service started before its store answers at once from its own encoder (the connect
+    runs in the background, refused in a moment rather than Mooncake's minute and a half of
+    retries) and publishes once the master is up."""
+    c = cluster.Cluster(tmp_path)
+    server = start_server(c.url)
+    try:
+        t0 = time.monotonic()
+        got = encode(server, seed=700)
+        assert got.embeds.shape[0] == got.num_tokens
+        assert time.monotonic() - t0 < 20
+        wait_for(lambda: metric(server, "mmferry_store_errors") >= 1, "a counted connect error")
+        c.start()
+        seed, deadline = 701, time.monotonic() + 60
+        while metric(server, "mmferry_store_published") < 1:
+            assert time.monotonic() < deadline, "never published once the store was up"
+            encode(server, seed)
+            seed += 1
+            time.sleep(0.5)
+    finally:
+        server.stop()
+        c.stop()
