@@ -22,6 +22,7 @@ from mmferry.chat import qwen_keys
 from mmferry.chat.parts import MediaPart
 from mmferry.config import ProcessorConfig
 from mmferry.items import Layout, MultimodalItem
+from mmferry.preprocess.buffers import empty_host
 from mmferry.preprocess.decode import as_batch, decode_image
 from mmferry.preprocess.image import process_image
 from mmferry.preprocess.patchify import resize_u8
@@ -151,7 +152,7 @@ def _frame_list(
         raise part.error("its list of frames is empty")
     # qwen-vl-utils pads the list to an even count with the last frame.
     n = given + (-given % qwen_keys.FRAME_FACTOR)
-    resized = torch.empty(0, dtype=torch.uint8)
+    thwc = resized = torch.empty(0, dtype=torch.uint8)
     kept, size = cfg, (0, 0)
     # NOTE: one frame at a time: read (a service checks its header there), decode, resize into
     # its place, drop. Decoding every frame at full size first held them all at once (about
@@ -166,17 +167,20 @@ def _frame_list(
             h, w = _checked(part, qwen_keys.frame_list_size, h, w, keys, cfg.factor)
             size = _checked(part, qwen_keys.video_size, n, h, w, keys, cfg.factor)
             kept = _keeping(part, cfg, n, *size)  # a size past the decode limit is refused
-            resized = torch.empty((n, 3, *size), dtype=torch.uint8)
+            # THWC, as the resize writes, the patch kernel reads and the key hashes (in place).
+            thwc = empty_host((n, *size, 3), torch.uint8)
+            resized = thwc.permute(0, 3, 1, 2)
         with intra_op_threads(threads_for(3 * size[0] * size[1], preprocess_threads(threads))):
             resized[k] = resize_u8(as_batch(pixels), *size)[0]
         del pixels
     resized[given:] = resized[given - 1]
     sample_fps = keys.get("sample_fps", qwen_keys.FRAME_LIST_FPS)
     rate = keys.get("raw_fps", sample_fps)
+    del resized
     item = _checked(
         part,
         process_video,
-        resized,
+        thwc.numpy(),
         kept,
         layout=layout,
         num_frames=n,

@@ -325,6 +325,8 @@ def without_negative_strides(arr: np.ndarray) -> np.ndarray:
     # NOTE: the stride of an axis of length 1 never addresses memory, so numpy counts a1[::-1]
     # as contiguous and np.ascontiguousarray returns it unchanged, negative stride and all.
     # Such a stride is set to 0 without a copy; a flip of a longer axis needs the copy.
+    if min(arr.strides, default=0) >= 0:
+        return arr  # as given (a read-only view would make torch warn on every frame list)
     strides = tuple(0 if n == 1 else s for n, s in zip(arr.shape, arr.strides))
     if min(strides) < 0:
         return np.array(arr, order="C")  # a fresh array: positive strides only

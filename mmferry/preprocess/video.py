@@ -160,7 +160,8 @@ def _sampled_frames(
         slots = _padded(indices, cfg.temporal_patch_size)
         # Only the sampled frames are gathered.
         if isinstance(all_frames, torch.Tensor):
-            frames = all_frames[slots]
+            # Every frame in order (a list already sampled): no gathered copy.
+            frames = all_frames if slots == list(range(total)) else all_frames[slots]
         else:
             frames = torch.stack([all_frames[i] for i in slots])
         new_h, new_w = video_target_size(cfg, len(indices), *frames.shape[2:])
