@@ -258,7 +258,7 @@ def _address(mm: mmap.mmap) -> int:
     return torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr()
 
 
-# -- sizing for items in flight together (preprocess/batch.py) ---------------------------------
+# -- sizing for items in flight together (preprocess/scheduler.py) ---------------------------
 
 
 class _Sizing:
