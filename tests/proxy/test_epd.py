@@ -6,7 +6,9 @@ encoding; the encoders' refusals, an unreachable vLLM and a client gone mid-stre
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -262,3 +264,55 @@ def test_failover_to_other_encoders_and_to_vllm(stack, proxies):
         for e in stack.encoders:
             with contextlib.suppress(RuntimeError):
                 e.start()
+
+
+def test_api_key_admission_and_drain(stack):
+    only_qwen2_5(stack)
+    key = "proxy-key-0123456789"
+    front = proxy(
+        stack.vllm.url,
+        [stack.encoders[0].url],
+        "embeds",
+        "--max-in-flight",
+        "1",
+        MMFERRY_API_KEY=key,
+    ).start()
+    auth = {"Authorization": f"Bearer {key}"}
+    content = [image_part(media(stack, 1)[0]), TEXT]
+    try:
+        body = chat_body(content)
+        body["model"] = str(stack.model)
+        r = httpx.post(f"{front.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 401, r.text
+        r = httpx.get(f"{front.url}/v1/models", timeout=60)
+        assert r.status_code == 401, r.text
+        r = httpx.post(f"{front.url}/v1/chat/completions", json=body, headers=auth, timeout=60)
+        assert r.status_code == 200, r.text
+
+        # One request in flight (a stream being read) fills --max-in-flight 1: the next is a
+        # 503 with Retry-After. SIGTERM then drains: new requests get 503, the open stream
+        # runs to its end, and the proxy exits 0.
+        long = chat_body(content, stream=True, tokens=400)
+        long["model"], long["ignore_eos"] = str(stack.model), True
+        with httpx.stream(
+            "POST", f"{front.url}/v1/chat/completions", json=long, headers=auth, timeout=60
+        ) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            next(lines)
+            r = httpx.post(f"{front.url}/v1/chat/completions", json=body, headers=auth)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            front.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{front.url}/health", timeout=10).status_code != 503:
+                assert time.monotonic() < deadline, "the proxy did not start draining"
+                time.sleep(0.05)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        chunks = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+        steps = [c["choices"][0].get("logprobs") or {} for c in chunks]
+        assert sum(len(s.get("content") or ()) for s in steps) == 400  # every token came
+        assert front.proc.wait(timeout=30) == 0
+        assert any("drained" in line for line in front.lines)
+    finally:
+        front.stop()
