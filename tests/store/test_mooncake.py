@@ -124,3 +124,28 @@ def test_master_down_opens_the_breaker_then_recovers(mooncake, tmp_path):
         if store is not None:
             store.close()
         c.stop()
+
+
+def test_full_store_costs_only_that_put(mooncake, tmp_path):
+    """A store without room refuses the put (counted by the caller) but is not left alone: the
+    next lookup still goes to it."""
+    from tests.store.cluster import Cluster
+
+    c = Cluster(tmp_path, segment="16 MB").start()
+    store = None
+    try:
+        store = MooncakeStore(StoreAddress.parse(c.url + "&local_mib=16"))
+        big = entry_key("06" * 16, MODEL, torch.float32)
+        store.put(big, [torch.zeros(15 << 20, dtype=torch.uint8).numpy()])
+        # NOTE: the first entry is leased for a while after its put, so it is not evicted yet.
+        with pytest.raises(StoreError, match="code"):
+            store.put(
+                entry_key("07" * 16, MODEL, torch.float32),
+                [torch.ones(2 << 20, dtype=torch.uint8).numpy()],
+            )
+        assert store.available()
+        assert store.get(big) is not None
+    finally:
+        if store is not None:
+            store.close()
+        c.stop()
