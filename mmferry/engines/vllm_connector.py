@@ -6,13 +6,18 @@
 
 A request names each item by its mmferry hash (the uuid; vLLM keeps it verbatim as the item's
 identifier) and may carry only its grid. When vLLM's scheduler meets an item it asks the
-service (`/v1/cache/lookup`), which pins what it holds until it is loaded; the worker then loads
-all of a step's items in one request (`/v1/cache/load`: shared-memory handles when the service
-is on this host, safetensors otherwise), already `[main | ds0 | ds1 ...]` in the model's dtype,
-and copies each once onto its device. An item the service lacks, or any lookup that fails
-(service down or restarting), is reported absent, and vLLM encodes that item itself, so such a
-request must carry pixels too. Extra config: `url`, optional `api_key` (or MMFERRY_API_KEY),
-`transport` ("auto" | "shm" | "http"), `timeout_s`.
+service (`/v1/cache/lookup`), which pins what it holds for this connector (`X-Mmferry-Caller`,
+one random id per connector, sent by scheduler and workers) and says for how long; the worker
+then loads all of a step's items in one request (`/v1/cache/load`: shared-memory handles when
+the service is on this host, safetensors otherwise, and safetensors again when a handle does not
+open), checks each item's rows against what the model takes (`[planned tokens, hidden * (1 +
+deepstack levels)]` in the model's dtype) and copies them once onto its device. An item the
+service lacks, and any lookup that fails (service down or restarting, late, or answering
+something else than the protocol), is reported absent, and vLLM encodes that item itself, so
+such a request must carry pixels too. A load the scheduler planned that cannot be had fails the
+step naming the items: vLLM (0.32) gives a consumer no way to have them encoded at that point.
+Extra config: `url`, optional `api_key` (or MMFERRY_API_KEY), `transport` ("auto" | "shm" |
+"http"), `timeout_s` (a worker's load, 30), `lookup_timeout_s` (a scheduler's lookup, 1).
 
 vLLM loads this module by path in its scheduler and worker processes; importing it without
 vLLM installed fails with a message naming what to install.
@@ -20,9 +25,8 @@ vLLM installed fails with a message naming what to install.
 
 from __future__ import annotations
 
-import logging
 import os
-import time
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -40,19 +44,40 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "mmferry.engines.vllm_connector is loaded by vLLM: pip install vllm (0.32 or later)"
     ) from e
 
-from mmferry.engines.cache_client import CacheClient, ServiceUnavailable  # noqa: E402
+from mmferry.engines.cache_client import CacheClient, RowSpec, fetch_rows  # noqa: E402
+from mmferry.engines.presence import Presence  # noqa: E402
 
-log = logging.getLogger("mmferry.vllm_connector")
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
-# A load the scheduler planned must not fail for a blip: a few tries inside this many seconds.
-LOAD_RETRY_S = 5.0
+EXTRA_KEYS = ("url", "api_key", "transport", "timeout_s", "lookup_timeout_s")
 
 
 @dataclass
 class MmferryECMetadata(ECConnectorMetadata):
-    """The items a worker loads this step: identifier -> expected row count."""
+    """The items a worker loads this step (identifier -> planned token count), and the caller
+    id the scheduler's lookups pinned them for."""
 
     items: dict[str, int] = field(default_factory=dict)
+    caller: str = ""
+
+
+def row_spec(model_config: Any) -> RowSpec:
+    """What the model takes per item: `[tokens, hidden * (1 + deepstack levels)]` in its dtype.
+    The hidden size is vLLM's; the levels come from the checkpoint's vision config through the
+    family's spec (the same table that reads the tower), so no family is named here."""
+    from mmferry.models.registry import spec_for
+
+    hf = model_config.hf_config
+    vision = getattr(hf, "vision_config", None)
+    vision = vision.to_dict() if hasattr(vision, "to_dict") else dict(vision or {})
+    levels = len(spec_for(str(hf.model_type)).vision_from_hf(vision).deepstack_visual_indexes)
+    return RowSpec(int(model_config.get_inputs_embeds_size()) * (1 + levels), model_config.dtype)
+
+
+def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"ec_connector_extra_config.{key} must be seconds > 0, got {value!r}")
+    return float(value)
 
 
 class MmferryECConnector(ECConnectorBase):
@@ -62,9 +87,18 @@ class MmferryECConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         if self.is_producer:
             raise ValueError("MmferryECConnector is a consumer: use ec_role 'ec_consumer'")
-        extra = vllm_config.ec_transfer_config.ec_connector_extra_config or {}
+        extra = dict(vllm_config.ec_transfer_config.ec_connector_extra_config or {})
+        if "pin_ttl_s" in extra:
+            raise ValueError(
+                "ec_connector_extra_config.pin_ttl_s is gone: the service says how long it "
+                "pins each item (pinned_s) and the connector trusts that alone"
+            )
+        unknown = sorted(set(extra) - set(EXTRA_KEYS))
+        if unknown:
+            known = ", ".join(EXTRA_KEYS)
+            raise ValueError(f"unknown ec_connector_extra_config keys {unknown} (known: {known})")
         url = extra.get("url")
-        if not url:
+        if not url or not isinstance(url, str):
             raise ValueError("MmferryECConnector needs ec_connector_extra_config.url")
         transport = extra.get("transport", "auto")
         if transport not in ("auto", "shm", "http"):
@@ -72,43 +106,36 @@ class MmferryECConnector(ECConnectorBase):
         local = urlsplit(url).hostname in LOOPBACK
         shm = transport == "shm" or (transport == "auto" and local)
         api_key = extra.get("api_key") or os.environ.get("MMFERRY_API_KEY")
-        self._client = CacheClient(url, api_key, float(extra.get("timeout_s", 30.0)), shm)
-        self._dtype = vllm_config.model_config.dtype
-        # Scheduler: identifiers the service said it holds (pinned there), not yet planned.
-        self._present: dict[str, float] = {}
+        self._timeout_s = _seconds(extra, "timeout_s", 30.0)
+        # NOTE: one id per connector (the scheduler's); workers get it with each step's plan,
+        # so the loads release the very pins the lookups took.
+        self._caller = secrets.token_hex(16)
+        self._client = CacheClient(
+            url,
+            api_key,
+            self._timeout_s,
+            shm,
+            caller=self._caller,
+            lookup_timeout_s=_seconds(extra, "lookup_timeout_s", 1.0),
+        )
+        self._rows = row_spec(vllm_config.model_config)
+        self._presence = Presence(self._client)
         self._to_load: dict[str, int] = {}
-        self._ttl_s = float(extra.get("pin_ttl_s", 60.0))
 
     # -- scheduler side -------------------------------------------------------------------
 
     def has_cache_item(self, identifier: str) -> bool:
-        now = time.monotonic()
-        seen = self._present.get(identifier)
-        # NOTE: answered from memory while the service's pin surely holds (half its TTL), so a
-        # request waiting for KV space does not ask again on every scheduler pass.
-        if seen is not None and now - seen < self._ttl_s / 2:
-            return True
-        try:
-            (present,) = self._client.lookup([identifier])
-        except ServiceUnavailable as e:
-            log.warning("mmferry service unavailable, vLLM encodes %s itself: %s", identifier, e)
-            present = False
-        if present:
-            self._present[identifier] = now
-        else:
-            self._present.pop(identifier, None)
-        return present
+        return self._presence.has(identifier)
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         identifier = request.mm_features[index].identifier
-        if identifier in self._present:
+        if self._presence.claim(identifier):
             self._to_load[identifier] = request.get_num_encoder_embeds(index)
 
     def build_connector_meta(self, scheduler_output: Any) -> MmferryECMetadata:
-        meta = MmferryECMetadata(dict(self._to_load))
-        for identifier in self._to_load:
-            self._present.pop(identifier, None)  # the load takes the pin
+        meta = MmferryECMetadata(dict(self._to_load), self._caller)
         self._to_load.clear()
+        self._presence.end_pass()
         return meta
 
     # -- worker side ----------------------------------------------------------------------
@@ -123,37 +150,20 @@ class MmferryECConnector(ECConnectorBase):
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, MmferryECMetadata)
-        need = [h for h in meta.items if h not in encoder_cache]
+        need = {h: n for h, n in meta.items.items() if h not in encoder_cache}
         if not need:
             return
-        rows = self._load(need)
+        self._client.set_caller(meta.caller)
+        # NOTE: vLLM has planned these items as loaded and will not encode them: rows that
+        # cannot be had (or do not fit) fail the step, naming them, never enter the cache.
+        rows = fetch_rows(self._client, need, self._rows, self._timeout_s)
         device = self._device()
-        for h in need:
-            src = rows[h]
-            if src.shape[0] != meta.items[h]:
-                raise ValueError(
-                    f"mmferry service rows for {h} have {src.shape[0]} tokens, vLLM planned "
-                    f"{meta.items[h]} (the uuid names other content)"
-                )
-            # The one copy: out of the shared-memory view (or parsed bytes) onto the device,
-            # already in the model dtype; the view, and with it the lease, dies here.
-            dst = torch.empty(src.shape, dtype=self._dtype, device=device)
+        for h, src in rows.items():
+            # The one copy: out of the shared-memory view (or parsed bytes) onto the device;
+            # the view, and with it the lease, dies here.
+            dst = torch.empty(src.shape, dtype=src.dtype, device=device)
             dst.copy_(src, non_blocking=device.type == "cuda")
             encoder_cache[h] = dst
-
-    def _load(self, hashes: list[str]) -> dict[str, torch.Tensor]:
-        deadline = time.monotonic() + LOAD_RETRY_S
-        while True:
-            try:
-                return self._client.load(hashes, self._dtype)
-            except ServiceUnavailable as e:
-                if time.monotonic() > deadline:
-                    # NOTE: vLLM has planned these items as loaded, and the request carries no
-                    # way back to encoding them here: fail loudly rather than feed wrong rows.
-                    raise RuntimeError(
-                        f"mmferry service lost pinned items {hashes} between lookup and load: {e}"
-                    ) from None
-                time.sleep(0.2)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kw) -> None:
         return None  # a consumer: the service is the producer

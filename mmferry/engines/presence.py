@@ -1,0 +1,120 @@
+"""`Presence`: what an engine's scheduler believes the encoder service holds, and for how long.
+
+The scheduler asks once per item (`has`); the service answers how long it keeps the item pinned
+for this caller (`pinned_s`, counted from when the lookup was sent), and that answer is the only
+clock: presence is trusted for half of it, so the load the plan leads to arrives while the pin
+still holds, and asked again after. Anything else (the service down, late, or answering
+something that is not the protocol) is "absent": the engine encodes the item itself and keeps
+serving. The table of items told present is bounded in size and each entry expires, so items
+that are never allocated (aborted requests) cannot grow it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from mmferry.engines.cache_client import CacheClient
+
+log = logging.getLogger("mmferry.presence")
+# Trust a present answer for this share of the pin's remaining life: the rest is the margin for
+# the step between the plan and the worker's load.
+TRUST_SHARE = 0.5
+# A pin about to lapse is not worth planning a load on.
+MIN_PIN_S = 1.0
+# After a failed lookup, answer "absent" without asking for this long: a service that is down or
+# slow must not cost every scheduler pass a timeout.
+RETRY_AFTER_S = 1.0
+MAX_ITEMS = 4096
+
+
+class Presence:
+    """The scheduler side of an encoder-cache connector: `has` per item, `claim` when vLLM
+    allocates it, `end_pass` when the step's plan is built. Never raises."""
+
+    def __init__(
+        self,
+        client: CacheClient,
+        *,
+        max_items: int = MAX_ITEMS,
+        retry_after_s: float = RETRY_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.max_items = max_items
+        self.retry_after_s = retry_after_s
+        self._clock = clock
+        # identifier -> until when "present" holds (monotonic seconds), oldest first.
+        self._trusted: OrderedDict[str, float] = OrderedDict()
+        # Answered "present" in this scheduler pass: the alloc that follows must plan a load
+        # even if the entry expired or was pushed out of the table meanwhile.
+        self._claimed: set[str] = set()
+        self._quiet_until = 0.0
+        self._down = False
+
+    def __len__(self) -> int:
+        return len(self._trusted)
+
+    def has(self, identifier: str) -> bool:
+        """Whether the service holds `identifier` now and its pin outlasts the coming load."""
+        now = self._clock()
+        self._expire(now)
+        until = self._trusted.get(identifier)
+        if until is not None and now < until:
+            self._claimed.add(identifier)
+            return True
+        self._trusted.pop(identifier, None)
+        if now < self._quiet_until:
+            return False
+        sent = self._clock()
+        try:
+            pins = self.client.lookup_pins([identifier])
+            if len(pins) != 1:
+                raise ValueError(f"{len(pins)} answers for one hash")
+            (pinned,) = pins
+        except Exception as e:  # noqa: BLE001 - any failure of the service is "absent"
+            self._quiet_until = self._clock() + self.retry_after_s
+            if not self._down:
+                log.warning(
+                    "mmferry service %s unusable, vLLM encodes items itself meanwhile: %s: %s",
+                    self.client.url,
+                    type(e).__name__,
+                    e,
+                )
+            self._down = True
+            return False
+        if self._down:
+            log.warning("mmferry service %s answers again", self.client.url)
+            self._down = False
+        if pinned < MIN_PIN_S:
+            return False
+        self._remember(identifier, sent + pinned * TRUST_SHARE)
+        self._claimed.add(identifier)
+        return True
+
+    def claim(self, identifier: str) -> bool:
+        """vLLM allocated `identifier`: whether it is to be loaded (answered present in this
+        pass). The load takes the service's pin, so the entry is forgotten."""
+        self._trusted.pop(identifier, None)
+        return identifier in self._claimed
+
+    def end_pass(self) -> None:
+        """The scheduler pass is over: its "present" answers no longer bind an alloc."""
+        self._claimed.clear()
+
+    def _remember(self, identifier: str, until: float) -> None:
+        self._trusted.pop(identifier, None)
+        self._trusted[identifier] = until
+        while len(self._trusted) > self.max_items:
+            self._trusted.popitem(last=False)
+
+    def _expire(self, now: float) -> None:
+        # NOTE: entries are in the order they were told; a later one may end sooner, and
+        # stays until it reaches the front or the size bound pushes it out (`has` checks it).
+        while self._trusted:
+            identifier, until = next(iter(self._trusted.items()))
+            if until > now:
+                break
+            del self._trusted[identifier]
