@@ -4,6 +4,8 @@ Requests hold content parts or whole chat messages (OpenAI or Qwen form, with qw
 per-item keys). --min-pixels / --max-pixels, the video ones, --fps and --num-frames resize and
 sample as transformers' options of those names do; what one request may hold is set by the
 --limit-* options (--limit-pixels is what --max-pixels meant before: the resize budget now).
+A part's qwen-vl-utils keys replace the resize options for that part, within them: the size
+they give must lie within the budget (--max-pixels, --video-max-pixels).
 The API key, when one is wanted, comes from the MMFERRY_API_KEY environment variable (kept out
 of the command line, which other users can read). SIGTERM or Ctrl-C drains and exits 0.
 """

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from mmferry.chat.sources import shown
 
-__all__ = ["Limits", "RequestError", "option", "over_limit", "shown", "too_large"]
+__all__ = ["Limits", "RequestError", "named", "option", "over_limit", "shown", "too_large"]
 
 
 class RequestError(Exception):
@@ -51,6 +51,9 @@ OPTIONS = {
     "max_frames": "--limit-frames",
     "allow_paths": "--allow-path",
     "allow_hosts": "--allow-host",
+    # The resize budgets a part's qwen-vl-utils keys are held to (the processor's settings).
+    "image_max_pixels": "--max-pixels",
+    "video_max_pixels": "--video-max-pixels",
 }
 
 
@@ -59,7 +62,8 @@ def option(limit_name: str) -> str:
     return OPTIONS.get(limit_name) or "--" + limit_name.replace("_", "-")
 
 
-def _named(limit_name: str, limit: int) -> str:
+def named(limit_name: str, limit: int) -> str:
+    """A limit as refusals name it: max_pixels -> 'limit_pixels=N (--limit-pixels)'."""
     flag = option(limit_name)
     return f"{flag[2:].replace('-', '_')}={limit} ({flag})"
 
@@ -69,7 +73,7 @@ def too_large(what: str, size: int, limit_name: str, limit: int) -> RequestError
     return RequestError(
         413,
         "too_large",
-        f"{what} is {size} bytes, more than {_named(limit_name, limit)}",
+        f"{what} is {size} bytes, more than {named(limit_name, limit)}",
     )
 
 
@@ -78,5 +82,5 @@ def over_limit(what: str, value: int, limit_name: str, limit: int) -> RequestErr
     return RequestError(
         422,
         "over_limit",
-        f"{what} is {value}, more than {_named(limit_name, limit)}",
+        f"{what} is {value}, more than {named(limit_name, limit)}",
     )

@@ -241,7 +241,7 @@ class EncoderService:
                 # decoded (chat/media.py), so one frame's bytes and pixels are held at a time.
                 def read_frame(k: int, source: Any) -> Any:
                     one = read_part(dataclasses.replace(part, source=source), self._policy, fetched)
-                    check_frame(part, k, one.source, limits)
+                    check_frame(part, k, one.source, limits, self.processor.config)
                     return one.source
 
                 t1 = time.perf_counter()

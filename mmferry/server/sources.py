@@ -5,9 +5,11 @@ parsed by `mmferry.chat.parts`, the parser the library uses, under a `SourcePoli
 the limits: allowed folders and hosts, the byte and item limits, absolute paths only, no
 in-memory objects, and reads deferred, so that files are read on the preprocessing threads and
 URLs fetched on the event loop (remote.py). `check_media` then bounds pixels and frames from
-each file's header, before any pixel is decoded; a list of frames is counted before any frame
-is read (`check_frame_count`) and each frame checked as it is read (`check_frame`), so one
-frame is held at a time.
+each file's header, before any pixel is decoded: the source's size, and the size a part's
+qwen-vl-utils keys resize it to, which the library takes as final (`mmferry.chat.media`), so
+the service holds it to its own resize budgets. A list of frames is counted before any frame
+is read (`check_frame_count`) and each frame checked as it is read (`check_frame`, the first
+one sizing the list), so one frame is held at a time.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from PIL import Image, UnidentifiedImageError
 from mmferry.chat import qwen_keys
 from mmferry.chat.parts import MediaPart, PartError, SourcePolicy, parse_content, parse_messages
 from mmferry.config import ProcessorConfig
-from mmferry.server.limits import Limits, RequestError, option, over_limit
+from mmferry.server.limits import Limits, RequestError, named, option, over_limit
 
 BODY_FIELDS = ("content", "messages")
 
@@ -95,7 +97,10 @@ def _pillow_limit(name: str, e: Exception, limits: Limits) -> RequestError:
     return RequestError(422, "over_limit", message)
 
 
-def _check_image(data: bytes, name: str, limits: Limits) -> None:
+def _check_image(data: bytes, name: str, limits: Limits) -> tuple[int, int]:
+    """(height, width) of the image from its header; 422 past --limit-pixels."""
+    # NOTE: the stored sides, not turned by an EXIF orientation (a PNG's may follow the pixel
+    # data): a quarter turn swaps the sides, and every size rule gives the same pixels then.
     try:
         with Image.open(io.BytesIO(data)) as im:
             w, h = im.size
@@ -115,6 +120,7 @@ def _check_image(data: bytes, name: str, limits: Limits) -> None:
         ) from None
     if w * h > limits.max_pixels:
         raise over_limit(f"{name}: {w}x{h} pixels", w * h, "max_pixels", limits.max_pixels)
+    return h, w
 
 
 def _check_frames(name: str, held: int, total: int, limits: Limits) -> None:
@@ -127,6 +133,49 @@ def _check_frames(name: str, held: int, total: int, limits: Limits) -> None:
         )
 
 
+def _keyed(name: str, size_fn: Any, *args: Any) -> tuple[int, int]:
+    """A qwen-vl-utils size rule's answer, or 422 naming the part for keys it refuses."""
+    try:
+        return size_fn(*args)
+    except ValueError as e:
+        raise RequestError(422, "bad_media", f"{name}: {e}") from None
+
+
+# NOTE: a resized size is held to the resize budgets, not to --limit-pixels, which bounds
+# sources: the server's own resize may also give more than --limit-pixels (a small image
+# raised to the minimum), and qwen-vl-utils raises every listed frame to 128 tokens at least.
+
+
+def _check_keyed_image(name: str, h: int, w: int, cfg: ProcessorConfig) -> None:
+    """422 for an image whose keys ask for more pixels than --max-pixels."""
+    if h * w > cfg.image_max_pixels:
+        raise over_limit(
+            f"{name}: the size its qwen-vl-utils keys give, {w}x{h} pixels,",
+            h * w,
+            "image_max_pixels",
+            cfg.image_max_pixels,
+        )
+
+
+def _check_keyed_video(name: str, n: int, h: int, w: int, cfg: ProcessorConfig) -> None:
+    """422 for a video whose keys ask for more frames x size than the server's video budget
+    gives that many frames (the family's rule: per frame, or across the frames)."""
+    from mmferry.preprocess.video import video_target_size
+
+    # NOTE: the server's own rule keeps a size its budget holds (sides are already multiples
+    # of the factor) and shrinks one past it; asking the rule keeps the families' budgets in
+    # their specs.
+    th, tw = _keyed(name, video_target_size, cfg, n, h, w)
+    if th * tw < h * w:
+        raise RequestError(
+            422,
+            "over_limit",
+            f"{name}: its qwen-vl-utils keys give {n} frames of {w}x{h} pixels ({n * h * w} in "
+            f"all), more than {named('video_max_pixels', cfg.video_max_pixels)} allows: {n} "
+            f"frames of at most {tw}x{th}",
+        )
+
+
 def check_frame_count(part: MediaPart, limits: Limits, cfg: ProcessorConfig) -> None:
     """A list of frames against the frame limit, from its length alone (422): every listed
     frame is kept, padded to an even count, as qwen-vl-utils keeps them (no sampling)."""
@@ -136,22 +185,33 @@ def check_frame_count(part: MediaPart, limits: Limits, cfg: ProcessorConfig) -> 
     _check_frames(part.where, n + (-n % cfg.temporal_patch_size), len(part.source), limits)
 
 
-def check_frame(part: MediaPart, k: int, data: bytes, limits: Limits) -> None:
-    """Frame `k` of a list against the pixel limit, from its header (422)."""
-    _check_image(data, f"{part.where} frame {k}", limits)
+def check_frame(part: MediaPart, k: int, data: bytes, limits: Limits, cfg: ProcessorConfig) -> None:
+    """Frame `k` of a list against the pixel limit, from its header (422); the first frame
+    sizes the list, as qwen-vl-utils sizes it (keys or not), held to the budgets."""
+    h, w = _check_image(data, f"{part.where} frame {k}", limits)
+    if k == 0:
+        name, keys, given = part.where, part.options, len(part.source)
+        n = given + (-given % qwen_keys.FRAME_FACTOR)
+        h, w = _keyed(name, qwen_keys.frame_list_size, h, w, keys, cfg.factor)
+        h, w = _keyed(name, qwen_keys.video_size, n, h, w, keys, cfg.factor)
+        _check_keyed_video(name, n, h, w, cfg)
 
 
 def check_media(part: MediaPart, limits: Limits, cfg: ProcessorConfig) -> None:
     """Pixel and frame limits from the headers, before any decoding (422); 422 if unreadable.
-    Frames are counted as the part samples them: by its own keys (fps, nframes, ...) if any."""
-    name, temporal = part.where, cfg.temporal_patch_size
+    Frames are counted as the part samples them: by its own keys (fps, nframes, ...) if any.
+    The size a part's qwen-vl-utils keys give is held to the server's resize budgets."""
+    name, temporal, keys, factor = part.where, cfg.temporal_patch_size, part.options, cfg.factor
     if part.modality == "image":
-        _check_image(part.source, name, limits)
+        h, w = _check_image(part.source, name, limits)
+        if keys:
+            h, w = _keyed(name, qwen_keys.image_size, h, w, keys, factor)
+            _check_keyed_image(name, h, w, cfg)
         return
     if isinstance(part.source, list):
         check_frame_count(part, limits, cfg)
         for k, frame in enumerate(part.source):
-            check_frame(part, k, frame, limits)
+            check_frame(part, k, frame, limits, cfg)
         return
     from mmferry.preprocess.video import sample_indices
     from mmferry.preprocess.video_decode import probe_video
@@ -175,3 +235,6 @@ def check_media(part: MediaPart, limits: Limits, cfg: ProcessorConfig) -> None:
             limits.max_pixels,
         )
     _check_frames(name, sampled + (-sampled % temporal), info.total_frames, limits)
+    if keys:
+        h, w = _keyed(name, qwen_keys.video_size, sampled, info.height, info.width, keys, factor)
+        _check_keyed_video(name, sampled, h, w, cfg)
