@@ -17,7 +17,11 @@ something else than the protocol), is reported absent, and vLLM encodes that ite
 such a request must carry pixels too. A load the scheduler planned that cannot be had fails the
 step naming the items: vLLM (0.32) gives a consumer no way to have them encoded at that point.
 Extra config: `url`, optional `api_key` (or MMFERRY_API_KEY), `transport` ("auto" | "shm" |
-"http"), `timeout_s` (a worker's load, 30), `lookup_timeout_s` (a scheduler's lookup, 1).
+"http" | "mooncake"), `timeout_s` (a worker's load, 30), `lookup_timeout_s` (a scheduler's
+lookup, 1). With "mooncake" (and `store`: the `mooncake://` address the encoders publish to),
+items are also looked for in the store, where the existence check leases them, and read from it
+straight into a registered buffer, whichever encoder made them; what the store lacks comes from
+the service as with "auto" (`store_model`, `store_dtype`, `store_lease_s`: see `store_reader`).
 
 vLLM loads this module by path in its scheduler and worker processes; importing it without
 vLLM installed fails with a message naming what to install.
@@ -49,6 +53,7 @@ from mmferry.engines.presence import Presence  # noqa: E402
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 EXTRA_KEYS = ("url", "api_key", "transport", "timeout_s", "lookup_timeout_s")
+STORE_KEYS = ("store", "store_model", "store_dtype", "store_lease_s")
 
 
 @dataclass
@@ -60,17 +65,47 @@ class MmferryECMetadata(ECConnectorMetadata):
     caller: str = ""
 
 
-def row_spec(model_config: Any) -> RowSpec:
-    """What the model takes per item: `[tokens, hidden * (1 + deepstack levels)]` in its dtype.
-    The hidden size is vLLM's; the levels come from the checkpoint's vision config through the
-    family's spec (the same table that reads the tower), so no family is named here."""
+def deepstack_levels(model_config: Any) -> int:
+    """The checkpoint's deepstack levels, from its vision config through the family's spec (the
+    same table that reads the tower), so no family is named here."""
     from mmferry.models.registry import spec_for
 
     hf = model_config.hf_config
     vision = getattr(hf, "vision_config", None)
     vision = vision.to_dict() if hasattr(vision, "to_dict") else dict(vision or {})
-    levels = len(spec_for(str(hf.model_type)).vision_from_hf(vision).deepstack_visual_indexes)
+    return len(spec_for(str(hf.model_type)).vision_from_hf(vision).deepstack_visual_indexes)
+
+
+def row_spec(model_config: Any) -> RowSpec:
+    """What the model takes per item: `[tokens, hidden * (1 + deepstack levels)]` in its dtype
+    (the hidden size is vLLM's)."""
+    levels = deepstack_levels(model_config)
     return RowSpec(int(model_config.get_inputs_embeds_size()) * (1 + levels), model_config.dtype)
+
+
+def store_reader(extra: dict[str, Any], model_config: Any) -> Any:
+    """The `transport: mooncake` reader (mmferry/store/engine.py): the store's address, the
+    model's identity (`store_model`: NAME@WEIGHTS as `mmferry serve --store` prints it, else
+    computed from vLLM's checkpoint folder), the rows' dtype in the store (`store_dtype`, the
+    encoders' --dtype; default: the model's) and the store's lease (`store_lease_s`)."""
+    from mmferry.store.engine import LEASE_S, StoreReader, identity_for
+
+    url = extra.get("store")
+    if not url or not isinstance(url, str):
+        raise ValueError("transport mooncake needs ec_connector_extra_config.store (mooncake://)")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtype = extra.get("store_dtype")
+    if dtype is not None and dtype not in dtypes:
+        raise ValueError(f"store_dtype must be one of {tuple(dtypes)}, got {dtype!r}")
+    levels = deepstack_levels(model_config)
+    return StoreReader(
+        url,
+        identity_for(str(extra.get("store_model") or model_config.model)),
+        dtype=dtypes[dtype] if dtype else model_config.dtype,
+        hidden=int(model_config.get_inputs_embeds_size()),
+        deepstack=levels,
+        lease_s=_seconds(extra, "store_lease_s", LEASE_S),
+    )
 
 
 def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
@@ -93,7 +128,7 @@ class MmferryECConnector(ECConnectorBase):
                 "ec_connector_extra_config.pin_ttl_s is gone: the service says how long it "
                 "pins each item (pinned_s) and the connector trusts that alone"
             )
-        unknown = sorted(set(extra) - set(EXTRA_KEYS))
+        unknown = sorted(set(extra) - set(EXTRA_KEYS) - set(STORE_KEYS))
         if unknown:
             known = ", ".join(EXTRA_KEYS)
             raise ValueError(f"unknown ec_connector_extra_config keys {unknown} (known: {known})")
@@ -101,10 +136,13 @@ class MmferryECConnector(ECConnectorBase):
         if not url or not isinstance(url, str):
             raise ValueError("MmferryECConnector needs ec_connector_extra_config.url")
         transport = extra.get("transport", "auto")
-        if transport not in ("auto", "shm", "http"):
-            raise ValueError(f"transport must be auto, shm or http, got {transport!r}")
+        if transport not in ("auto", "shm", "http", "mooncake"):
+            raise ValueError(f"transport must be auto, shm, http or mooncake, got {transport!r}")
+        if transport != "mooncake" and set(extra) & set(STORE_KEYS):
+            raise ValueError(f"{sorted(set(extra) & set(STORE_KEYS))} need transport mooncake")
         local = urlsplit(url).hostname in LOOPBACK
-        shm = transport == "shm" or (transport == "auto" and local)
+        # NOTE: with the store, items it lacks still come from the service, as with auto.
+        shm = transport == "shm" or (transport in ("auto", "mooncake") and local)
         api_key = extra.get("api_key") or os.environ.get("MMFERRY_API_KEY")
         self._timeout_s = _seconds(extra, "timeout_s", 30.0)
         # NOTE: one id per connector (the scheduler's); workers get it with each step's plan,
@@ -120,22 +158,34 @@ class MmferryECConnector(ECConnectorBase):
         )
         self._rows = row_spec(vllm_config.model_config)
         self._presence = Presence(self._client)
+        # transport mooncake: items are also looked for in the store (leased there while
+        # trusted) and read from it, whichever encoder published them.
+        self._store = None
+        self._store_presence = None
+        if transport == "mooncake":
+            self._store = store_reader(extra, vllm_config.model_config)
+            self._store_presence = Presence(self._store)
         self._to_load: dict[str, int] = {}
 
     # -- scheduler side -------------------------------------------------------------------
 
     def has_cache_item(self, identifier: str) -> bool:
+        if self._store_presence is not None and self._store_presence.has(identifier):
+            return True
         return self._presence.has(identifier)
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         identifier = request.mm_features[index].identifier
-        if self._presence.claim(identifier):
+        stored = self._store_presence is not None and self._store_presence.claim(identifier)
+        if self._presence.claim(identifier) or stored:
             self._to_load[identifier] = request.get_num_encoder_embeds(index)
 
     def build_connector_meta(self, scheduler_output: Any) -> MmferryECMetadata:
         meta = MmferryECMetadata(dict(self._to_load), self._caller)
         self._to_load.clear()
         self._presence.end_pass()
+        if self._store_presence is not None:
+            self._store_presence.end_pass()
         return meta
 
     # -- worker side ----------------------------------------------------------------------
@@ -153,11 +203,18 @@ class MmferryECConnector(ECConnectorBase):
         need = {h: n for h, n in meta.items.items() if h not in encoder_cache}
         if not need:
             return
+        device = self._device()
+        if self._store is not None:
+            # Straight from the store onto the device; what it lacks comes from the service.
+            found = self._store.load(need, device, self._rows.dtype)
+            encoder_cache.update(found)
+            need = {h: n for h, n in need.items() if h not in found}
+            if not need:
+                return
         self._client.set_caller(meta.caller)
         # NOTE: vLLM has planned these items as loaded and will not encode them: rows that
         # cannot be had (or do not fit) fail the step, naming them, never enter the cache.
         rows = fetch_rows(self._client, need, self._rows, self._timeout_s)
-        device = self._device()
         for h, src in rows.items():
             # The one copy: out of the shared-memory view (or parsed bytes) onto the device;
             # the view, and with it the lease, dies here.
@@ -170,3 +227,5 @@ class MmferryECConnector(ECConnectorBase):
 
     def shutdown(self) -> None:
         self._client.close()
+        if self._store is not None:
+            self._store.close()
