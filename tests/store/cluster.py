@@ -110,6 +110,14 @@ class Cluster:
         _wait_port(self.http, self.master, self.work / "mooncake_master.log")
 
     def start(self) -> Cluster:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()  # a holder that failed leaves no master behind
+            raise
+        return self
+
+    def _start(self) -> None:
         self.start_master()
         self.holder = self._spawn(
             "mooncake_client",
@@ -123,7 +131,6 @@ class Cluster:
             ],
         )
         _wait_port(self.holder_port, self.holder, self.work / "mooncake_client.log")
-        return self
 
     def stop_master(self) -> None:
         _end(self.master)
