@@ -69,6 +69,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="admitted requests (their bodies in); 503 past it",
     )
     p.add_argument(
+        "--max-uploads",
+        type=int,
+        default=d.max_uploads,
+        help="request bodies arriving at once; 503 past it",
+    )
+    p.add_argument(
         "--cache-mib", type=int, default=d.cache_bytes >> 20, help="encoder cache size (MiB)"
     )
     p.add_argument(
@@ -139,6 +145,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="a request body must arrive within this; 408 past it",
     )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.header_timeout_s,
+        metavar="S",
+        help="a request's headers must arrive within this; 408 past it",
+    )
     add_log_level(p)
 
 
@@ -189,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
             api_key=env.api_key,
             drain_timeout_s=args.drain_timeout,
             body_timeout_s=args.body_timeout,
+            header_timeout_s=args.header_timeout,
+            max_uploads=args.max_uploads,
             fetch_concurrency=args.fetch_concurrency,
             preprocess_threads=args.preprocess_threads,
             store=args.store,

@@ -14,8 +14,10 @@ item's facts (hash, grid, tokens, video timing) and pins the items for the engin
 `held` false means the service could not keep an item's rows (larger than the cache, and the
 pins' budget full): send that item's pixels to the engine instead.
 
-The caller is the `X-Mmferry-Caller` header (an opaque id of up to 128 printable ASCII
-characters, the same from a connector's scheduler and worker), else the client's address.
+Every route reads its request through `intake.py`, as /v1/encode does (API key, content type,
+body limit and deadline, the drain, the same errors); a malformed field is a 422. The caller is
+the `X-Mmferry-Caller` header (an opaque id of up to 128 printable ASCII characters, the same
+from a connector's scheduler and worker), else the client's address.
 
 Bodies:
     lookup  {"hashes": [h, ...]}
@@ -31,7 +33,6 @@ Bodies:
 from __future__ import annotations
 
 import heapq
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,10 +42,11 @@ import torch
 from mmferry.embed.cache import EncoderCache
 from mmferry.embed.packed import packed_rows
 from mmferry.encoder.model import VisionOutput
-from mmferry.server.bodies import LOCAL_HOSTS, check_caller, parse_json, read_body
+from mmferry.server.bodies import LOCAL_HOSTS
+from mmferry.server.intake import Intake
 from mmferry.server.limits import RequestError
+from mmferry.server.service import DTYPES, RESPONSES
 
-log = logging.getLogger("mmferry.server")
 PIN_TTL_S = 60.0
 MAX_HASHES = 256  # per lookup or load request
 HASH_CHARS = 128
@@ -123,9 +125,15 @@ class Pins:
             heapq.heapify(self._deadlines)
 
     def _pin(
-        self, key: str, caller: str, now: float, used: int, fresh: VisionOutput | None = None
-    ) -> tuple[float, int]:
-        """Pin `key` for `caller`: (seconds it stays pinned, 0.0 when not; `used` after it).
+        self,
+        key: str,
+        caller: str,
+        now: float,
+        used: int | None,
+        fresh: VisionOutput | None = None,
+    ) -> tuple[float, int | None]:
+        """Pin `key` for `caller`: (seconds it stays pinned, 0.0 when not; `used` after it,
+        counted here only when needed: None for not counted yet).
         `fresh` is rows just encoded (the encode route's pin), which may be larger than the
         cache."""
         held = self._held.get(key)
@@ -146,8 +154,11 @@ class Pins:
         # New rows from the cache cost nothing now, but the cache may evict them while
         # pinned: past one cache's worth of such rows, none are pinned until some lapse.
         limit = self.max_bytes + (self.cache.capacity_bytes if cached is not None else 0)
-        if held is None and used + cost > limit:
-            return 0.0, used
+        if held is None:
+            used = self.used_bytes if used is None else used
+            if used + cost > limit:
+                return 0.0, used
+            used += cost
         if cached is not None or fresh is not None:
             deadline = now + self.ttl_s
         else:
@@ -160,14 +171,14 @@ class Pins:
         held.callers[caller] = deadline
         self._count += 1
         heapq.heappush(self._deadlines, (deadline, key, caller))
-        return deadline - now, used + cost
+        return deadline - now, used
 
     def lookup(self, keys: list[str], caller: str, now: float | None = None) -> list[float]:
         """Seconds each key stays pinned for `caller` from now (0.0: absent, not pinned).
         Rows pinned by the encode route pass to the first caller that looks them up."""
         now = time.monotonic() if now is None else now
         self._expire(now)
-        used = self.used_bytes
+        used = None  # counted once, and only if a new pin needs it
         answer = []
         for key in keys:
             left, used = self._pin(key, caller, now, used)
@@ -182,7 +193,7 @@ class Pins:
         them (cached or pinned) for a later load."""
         now = time.monotonic() if now is None else now
         self._expire(now)
-        left, _ = self._pin(key, HANDOVER, now, self.used_bytes, fresh=out)
+        left, _ = self._pin(key, HANDOVER, now, None, fresh=out)
         return left > 0 or self.cache.peek(key) is not None
 
     def take_all(
@@ -261,59 +272,41 @@ async def encode_items(service: Any, body: Any, local: bool) -> tuple[list[Any],
     return items, await service.batcher.encode(items)
 
 
-def add_cache_routes(app: Any, service: Any, state: Any) -> None:
-    """Register /v1/cache/lookup, /v1/cache/load and /v1/cache/encode on the service's app."""
-    import fastapi
-    from fastapi.responses import JSONResponse, Response
+def _choice(body: dict[str, Any], name: str, default: str, allowed: Any) -> str:
+    """The body's `name` field, or `default`; 422 unless it is one of `allowed`."""
+    value = body.get(name, default)
+    if not isinstance(value, str) or value not in allowed:
+        raise RequestError(422, "bad_request", f"{name!r} must be one of {tuple(allowed)}")
+    return value
 
-    from mmferry.server.service import DTYPES
 
-    cfg = service.config
-    pins = Pins(service.cache, max_bytes=cfg.cache_bytes)
+def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
+    """Register /v1/cache/lookup, /v1/cache/load and /v1/cache/encode on the service's app,
+    each read and admitted by `intake` as /v1/encode is."""
+    from fastapi.responses import Response
+
+    pins = Pins(service.cache, max_bytes=service.config.cache_bytes)
     service.pins = pins
 
-    def refused(err: RequestError) -> Any:
-        service.metrics.errors.labels(err.kind).inc()
-        body = {"error": {"kind": err.kind, "message": err.message}}
-        return JSONResponse(body, status_code=err.status)
-
-    async def admitted(request: Any) -> Any:
-        """The JSON body, after the same API-key and size checks as /v1/encode."""
-        check_caller(request.headers, cfg.api_key, state.draining)
-        raw = await read_body(
-            request, cfg.limits.max_request_bytes, cfg.body_timeout_s, state.cut_reads
-        )
-        return parse_json(raw)
-
-    async def lookup(request: Any) -> Any:
-        try:
-            hashes = _hashes(await admitted(request))
-            caller = caller_of(request)
-        except RequestError as e:
-            return refused(e)
-        left = pins.lookup(hashes, caller)
+    async def lookup(request: Any, body: Any) -> Any:
+        hashes = _hashes(body)
+        left = pins.lookup(hashes, caller_of(request))
         return {"present": [s > 0 for s in left], "pinned_s": [round(s, 3) for s in left]}
 
-    async def load(request: Any) -> Any:
+    async def load(request: Any, body: Any) -> Any:
+        hashes = _hashes(body)
+        default = str(service.encoder.dtype).removeprefix("torch.")
+        dtype = DTYPES[_choice(body, "dtype", default, DTYPES)]
+        shm = _choice(body, "response", "safetensors", RESPONSES) == "shm"
+        local = request.client is not None and request.client.host in LOCAL_HOSTS
+        if shm and not service.can_share(local):
+            raise RequestError(422, "bad_request", "shm responses need a same-host client")
         try:
-            body = await admitted(request)
-            hashes = _hashes(body)
-            dtype_name = body.get("dtype", str(service.encoder.dtype).removeprefix("torch."))
-            if dtype_name not in DTYPES:
-                raise RequestError(422, "bad_request", f"dtype must be one of {tuple(DTYPES)}")
-            shm = body.get("response", "safetensors") == "shm"
-            local = request.client is not None and request.client.host in LOCAL_HOSTS
-            if shm and not service.can_share(local):
-                raise RequestError(422, "bad_request", "shm responses need a same-host client")
-            caller = caller_of(request)
-            try:
-                outs = pins.take_all(hashes, caller)
-            except KeyError as e:
-                msg = f"not held (evicted or never seen): {e.args[0]}"
-                raise RequestError(404, "not_found", msg) from None
-        except RequestError as e:
-            return refused(e)
-        rows = {h: packed(out, DTYPES[dtype_name]) for h, out in outs.items()}
+            outs = pins.take_all(hashes, caller_of(request))
+        except KeyError as e:
+            msg = f"not held (evicted or never seen): {e.args[0]}"
+            raise RequestError(404, "not_found", msg) from None
+        rows = {h: packed(out, dtype) for h, out in outs.items()}
         if shm:
             # NOTE: the service's arena, with its TTL for handles nobody opens.
             return {"items": {h: service.share(t) for h, t in rows.items()}}
@@ -321,33 +314,13 @@ def add_cache_routes(app: Any, service: Any, state: Any) -> None:
 
         return Response(save(rows), media_type="application/vnd.mmferry.safetensors")
 
-    async def encode(request: Any) -> Any:
-        try:
-            body = await admitted(request)
-        except RequestError as e:
-            return refused(e)
-        # The same admission as /v1/encode, after the body is in (a slow upload holds no
-        # slot): this route encodes too, so it shares the queue.
-        if state.in_flight >= cfg.max_queue:
-            msg = f"the queue is full ({cfg.max_queue} requests, --max-queue); retry later"
-            return refused(RequestError(503, "queue_full", msg))
-        state.in_flight += 1
-        try:
-            local = request.client is not None and request.client.host in LOCAL_HOSTS
-            items, outs = await encode_items(service, body, local)
-        except RequestError as e:
-            return refused(e)
-        except Exception as e:  # noqa: BLE001 - one failing request must not stop the server
-            log.exception("cache encode failed")
-            return refused(RequestError(500, "internal", f"{type(e).__name__}: {e}"))
-        finally:
-            state.in_flight -= 1
+    async def encode(request: Any, body: Any) -> Any:
+        local = request.client is not None and request.client.host in LOCAL_HOSTS
+        items, outs = await encode_items(service, body, local)
         held = {it.hash: pins.hold(it.hash, out) for it, out in zip(items, outs)}
         return {"items": [{**facts(it), "held": held[it.hash]} for it in items]}
 
-    for route in (lookup, load, encode):
-        # NOTE: as in app.py, FastAPI needs the real class to hand the raw request over.
-        route.__annotations__["request"] = fastapi.Request
-    app.post("/v1/cache/lookup")(lookup)
-    app.post("/v1/cache/load")(load)
-    app.post("/v1/cache/encode")(encode)
+    app.post("/v1/cache/lookup")(intake.route(lookup))
+    app.post("/v1/cache/load")(intake.route(load))
+    # It encodes too, so it shares /v1/encode's queue.
+    app.post("/v1/cache/encode")(intake.route(encode, encodes=True))

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from mmferry.server.app import AppState, create_app
+from mmferry.server.protocol import header_deadline_protocol
 from mmferry.server.service import EncoderService
 
 # Time left after the drain deadline for the answers already written (the 503s of cut uploads).
@@ -34,8 +36,23 @@ def serve(service: EncoderService, host: str, port: int, *, log_level: str = "wa
     """Serve until a signal, then drain; returns the exit status."""
     state = AppState(service)
     app = create_app(service, state)
-    timeout = service.config.drain_timeout_s
-    return serve_app(app, state, host, port, timeout, name="serve", log_level=log_level)
+    cfg = service.config
+
+    def header_timeout() -> None:
+        service.metrics.errors.labels("header_timeout").inc()
+        service.metrics.requests.labels("408").inc()
+
+    return serve_app(
+        app,
+        state,
+        host,
+        port,
+        cfg.drain_timeout_s,
+        name="serve",
+        log_level=log_level,
+        header_timeout_s=cfg.header_timeout_s,
+        on_header_timeout=header_timeout,
+    )
 
 
 def serve_app(
@@ -47,10 +64,14 @@ def serve_app(
     *,
     name: str,
     log_level: str = "warning",
+    header_timeout_s: float | None = None,
+    on_header_timeout: Callable[[], None] = lambda: None,
 ) -> int:
     """Serve `app` until a signal, then drain it within `timeout` seconds; `state` has the
-    drain fields of `AppState` (`draining`, `in_flight`, `reading`, `cut_reads`); `name` is
-    the command printed (`mmferry serve`, `mmferry proxy`)."""
+    drain fields of `AppState` (`draining`, `in_flight`, `reading`, `cut_reads`, and
+    `serving` if it has other requests to wait for); `name` is the command printed
+    (`mmferry serve`, `mmferry proxy`). With `header_timeout_s`, a request's headers must
+    arrive within it (protocol.py; `on_header_timeout` counts each cut)."""
     uvicorn = import_uvicorn()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -88,7 +109,7 @@ def serve_app(
         async def _drain(self) -> None:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
-            while (state.in_flight or state.reading) and loop.time() < deadline:
+            while busy() and loop.time() < deadline:
                 await asyncio.sleep(0.02)
             state.cut_reads.set()
             # NOTE: uvicorn then waits for open connections up to its own graceful timeout
@@ -97,8 +118,14 @@ def serve_app(
             self.config.timeout_graceful_shutdown = max(deadline - loop.time(), FLUSH_S)
             self.should_exit = True
 
+    def busy() -> bool:
+        return bool(state.in_flight or state.reading or getattr(state, "serving", 0))
+
+    http: Any = "auto"
+    if header_timeout_s is not None:
+        http = header_deadline_protocol(header_timeout_s, on_header_timeout)
     config = uvicorn.Config(
-        app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=timeout
+        app, http=http, log_level=log_level, lifespan="on", timeout_graceful_shutdown=timeout
     )
     DrainingServer(config).run(sockets=[sock])
     print(f"mmferry {name}: drained, exiting", flush=True)

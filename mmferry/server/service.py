@@ -71,6 +71,8 @@ class ServiceConfig:
     api_key: str | None = None
     drain_timeout_s: float = 30.0  # SIGTERM to exit, however many requests are still open
     body_timeout_s: float = 30.0  # a request body must arrive in full within this (408)
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this (408)
+    max_uploads: int = 64  # request bodies arriving at once; the next one gets 503
     # A shared store of encoder outputs (mooncake://...; mmferry/store/) and the checkpoint
     # folder (or random tower's name) whose identity keys it; None: this service's cache only.
     store: str | None = None
@@ -80,10 +82,10 @@ class ServiceConfig:
         if self.preprocess_threads is None:
             # NOTE: frozen: the resolved default is written once, here.
             object.__setattr__(self, "preprocess_threads", batch_threads(None))
-        for name in ("max_queue", "preprocess_threads", "fetch_concurrency"):
+        for name in ("max_queue", "max_uploads", "preprocess_threads", "fetch_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("drain_timeout_s", "body_timeout_s"):
+        for name in ("drain_timeout_s", "body_timeout_s", "header_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
 

@@ -99,11 +99,20 @@ class SlowOrigin:
 class RawUpload:
     """A POST over a plain socket: headers and `first` body bytes now, the rest never or slowly."""
 
-    def __init__(self, url: str, declared: int = 1000, first: bytes = b"[0123456789") -> None:
+    def __init__(
+        self,
+        url: str,
+        declared: int = 1000,
+        first: bytes = b"[0123456789",
+        *,
+        path: str = "/v1/encode",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         split = urlsplit(url)
         self.sock = socket.create_connection((split.hostname, split.port), timeout=60)
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         head = (
-            f"POST /v1/encode HTTP/1.1\r\nHost: {split.netloc}\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {split.netloc}\r\n{extra}"
             f"Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
         )
         self.sock.sendall(head.encode() + first)

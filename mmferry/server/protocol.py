@@ -1,0 +1,75 @@
+"""The HTTP/1.1 connection the service runs under uvicorn: h11's, with a deadline for each
+request's headers.
+
+uvicorn times a connection only while it idles between requests: a new connection that sends
+nothing, or headers a byte at a time, holds its socket for ever. Here a connection gets
+`--header-timeout` seconds from its opening, or from the first byte of a later request, to
+complete the request's headers; past it the service answers 408 `header_timeout` and closes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+
+def _answer(timeout_s: float) -> bytes:
+    message = (
+        f"the request headers did not arrive within header_timeout_s={timeout_s:g} "
+        "(--header-timeout)"
+    )
+    body = json.dumps({"error": {"kind": "header_timeout", "message": message}}).encode()
+    head = (
+        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+        f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def header_deadline_protocol(timeout_s: float, on_timeout: Callable[[], None]) -> type:
+    """uvicorn's h11 protocol class with the header deadline; `on_timeout` counts each cut."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    answer = _answer(timeout_s)
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        _header_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.IDLE:
+                # NOTE: the first bytes of a request on a kept-alive connection start its
+                # deadline; an idle connection is uvicorn's keep-alive timeout's to close.
+                if self._header_timer is None and self.conn.trailing_data[0]:
+                    self._arm()
+            else:
+                self._disarm()  # the headers are in
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+                return
+            on_timeout()
+            self.transport.write(answer)
+            self.transport.close()
+
+    return HeaderDeadlineProtocol
