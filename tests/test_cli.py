@@ -71,9 +71,12 @@ def test_wrong_option_after_a_command_shows_that_command(capsys):
     assert err.startswith("usage: mmferry demo") and "--bogus" in err, err
 
 
-@pytest.mark.parametrize("cmd", ["encode", "serve"])
+@pytest.mark.parametrize("cmd", ["encode", "serve", "proxy"])
 def test_wrong_option_after_encode_or_serve_shows_that_command(capsys, cmd):
-    argv = [cmd, "x.png", "--out", "o.safetensors"] if cmd == "encode" else [cmd]
+    argv = {
+        "encode": [cmd, "x.png", "--out", "o.safetensors"],
+        "proxy": [cmd, "--llm", "http://a:1", "--encoder", "http://b:2"],
+    }.get(cmd, [cmd])
     with pytest.raises(SystemExit) as e:
         main([*argv, "--bogus"])
     assert e.value.code == 2
@@ -93,7 +96,7 @@ def test_a_port_out_of_range_is_one_error_line(capsys, port):
     assert port in lines[1] and "Traceback" not in lines[1]
 
 
-@pytest.mark.parametrize("cmd", ["demo", "bench", "encode", "serve"])
+@pytest.mark.parametrize("cmd", ["demo", "bench", "encode", "serve", "proxy"])
 def test_every_option_has_help_and_shows_its_default(cmd):
     from mmferry.cli import build_parser
 
