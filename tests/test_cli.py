@@ -189,3 +189,13 @@ def test_depth_zero_is_a_mistake_not_the_full_tower(tmp_path, capsys):
     argv = ["encode", str(tmp_path / "a.png"), "--out", str(tmp_path / "o.st"), "--depth", "0"]
     _one_line_error(capsys, argv, "--depth must be at least 1")
     assert not (tmp_path / "o.st").exists()
+
+
+def test_the_store_is_an_option_of_serve_only():
+    # The proxy routes and never encodes: a --store there would be accepted and do nothing.
+    from mmferry.cli import build_parser
+
+    parsers = build_parser()[1]
+    options = {cmd: {o for a in parsers[cmd]._actions for o in a.option_strings} for cmd in parsers}
+    assert "--store" in options["serve"]
+    assert "--store" not in options["proxy"]

@@ -152,17 +152,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="a request's headers must arrive within this; 408 past it",
     )
-    add_log_level(p)
-
-
-def add_log_level(p: argparse.ArgumentParser) -> None:
-    """--log-level, uvicorn's (`serve` and `proxy`)."""
     p.add_argument(
         "--store",
         metavar="URL",
         help="share encoder outputs with other services through a Mooncake Store: "
         "mooncake://MASTER_HOST:PORT?metadata=URL (the `mooncake` extra; README)",
     )
+    add_log_level(p)
+
+
+def add_log_level(p: argparse.ArgumentParser) -> None:
+    """--log-level, uvicorn's (`serve` and `proxy`)."""
     p.add_argument(
         "--log-level",
         default="warning",
