@@ -118,7 +118,8 @@ def test_sglang_counts_rows_against_the_prompt():
     its = [item("image", (1, 2, 4), "a")]
     req = to_sglang(Prompt(), its, [output(2)])
     (entry,) = req["image_data"]
-    assert entry["feature"].shape == (2, 12) and entry["image_grid_thw"].tolist() == [[1, 2, 4]]
+    assert entry["precomputed_embeddings"].shape == (2, 12)
+    assert entry["image_grid_thw"].tolist() == [[1, 2, 4]]
     Prompt.offsets = [[(1, 2)]]
     with pytest.raises(ValueError, match="2 rows for 1 placeholder"):
         to_sglang(Prompt(), its, [output(2)])
