@@ -6,7 +6,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench format vllm-venv mooncake-venv
+.PHONY: demo test lint bench format vllm-venv mooncake-venv sglang-venv
 
 # vLLM's own environment for the engine tests (tests/engines): the CPU build of vLLM, whose
 # pinned CPU torch comes without torchvision, so torch and torchvision are put back as a pair.
@@ -50,10 +50,23 @@ $(MOONCAKE_STAMP): | $(STAMP)
 
 mooncake-venv: $(MOONCAKE_STAMP)
 
+# SGLang's own environment for tests/engines/test_sglang*.py: it pins its own (CUDA) torch and
+# transformers, so it gets a venv apart; its engine runs on CPU with SGLANG_USE_CPU_ENGINE=1.
+SGLANG_VENV ?= .sglang-venv
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+
+$(SGLANG_STAMP):
+	python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q sglang==0.5.23
+	touch $(SGLANG_STAMP)
+
+sglang-venv: $(SGLANG_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m mmferry demo
 
-test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(SGLANG_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
