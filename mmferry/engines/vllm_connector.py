@@ -16,12 +16,15 @@ service lacks, and any lookup that fails (service down or restarting, late, or a
 something else than the protocol), is reported absent, and vLLM encodes that item itself, so
 such a request must carry pixels too. A load the scheduler planned that cannot be had fails the
 step naming the items: vLLM (0.32) gives a consumer no way to have them encoded at that point.
-Extra config: `url`, optional `api_key` (or MMFERRY_API_KEY), `transport` ("auto" | "shm" |
-"http" | "mooncake"), `timeout_s` (a worker's load, 30), `lookup_timeout_s` (a scheduler's
-lookup, 1). With "mooncake" (and `store`: the `mooncake://` address the encoders publish to),
-items are also looked for in the store, where the existence check leases them, and read from it
-straight into a registered buffer, whichever encoder made them; what the store lacks comes from
-the service as with "auto" (`store_model`, `store_dtype`, `store_lease_s`: see `store_reader`).
+Extra config: `url` (or `urls`, several services, as `mmferry proxy --encoder` lists them: each
+item is asked for in the order rendezvous hashing of its hash ranks them, `mmferry.proxy`'s
+`Router`, the next one when one is down or lacks it), optional `api_key` (or MMFERRY_API_KEY),
+`transport` ("auto" | "shm" | "http" | "mooncake"), `timeout_s` (a worker's load, 30),
+`lookup_timeout_s` (a scheduler's lookup, 1). With "mooncake" (and `store`: the
+`mooncake://` address the encoders publish to), items are also looked for in the store, where
+the existence check leases them, and read from it straight into a registered buffer, whichever
+encoder made them; what the store lacks comes from the service as with "auto" (`store_model`,
+`store_dtype`, `store_lease_s`: see `store_reader`).
 
 vLLM loads this module by path in its scheduler and worker processes; importing it without
 vLLM installed fails with a message naming what to install.
@@ -50,9 +53,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from mmferry.engines.cache_client import CacheClient, RowSpec, fetch_rows  # noqa: E402
 from mmferry.engines.presence import Presence  # noqa: E402
+from mmferry.proxy.router import Router  # noqa: E402
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
-EXTRA_KEYS = ("url", "api_key", "transport", "timeout_s", "lookup_timeout_s")
+EXTRA_KEYS = ("url", "urls", "api_key", "transport", "timeout_s", "lookup_timeout_s")
 STORE_KEYS = ("store", "store_model", "store_dtype", "store_lease_s")
 
 
@@ -63,6 +67,8 @@ class MmferryECMetadata(ECConnectorMetadata):
 
     items: dict[str, int] = field(default_factory=dict)
     caller: str = ""
+    # identifier -> the service (of `urls`) that answered present for it
+    owners: dict[str, str] = field(default_factory=dict)
 
 
 def deepstack_levels(model_config: Any) -> int:
@@ -132,32 +138,40 @@ class MmferryECConnector(ECConnectorBase):
         if unknown:
             known = ", ".join(EXTRA_KEYS)
             raise ValueError(f"unknown ec_connector_extra_config keys {unknown} (known: {known})")
-        url = extra.get("url")
-        if not url or not isinstance(url, str):
-            raise ValueError("MmferryECConnector needs ec_connector_extra_config.url")
+        urls = _urls(extra)
         transport = extra.get("transport", "auto")
         if transport not in ("auto", "shm", "http", "mooncake"):
             raise ValueError(f"transport must be auto, shm, http or mooncake, got {transport!r}")
         if transport != "mooncake" and set(extra) & set(STORE_KEYS):
             raise ValueError(f"{sorted(set(extra) & set(STORE_KEYS))} need transport mooncake")
-        local = urlsplit(url).hostname in LOOPBACK
-        # NOTE: with the store, items it lacks still come from the service, as with auto.
-        shm = transport == "shm" or (transport in ("auto", "mooncake") and local)
         api_key = extra.get("api_key") or os.environ.get("MMFERRY_API_KEY")
         self._timeout_s = _seconds(extra, "timeout_s", 30.0)
         # NOTE: one id per connector (the scheduler's); workers get it with each step's plan,
         # so the loads release the very pins the lookups took.
         self._caller = secrets.token_hex(16)
-        self._client = CacheClient(
-            url,
-            api_key,
-            self._timeout_s,
-            shm,
-            caller=self._caller,
-            lookup_timeout_s=_seconds(extra, "lookup_timeout_s", 1.0),
-        )
+        lookup_timeout_s = _seconds(extra, "lookup_timeout_s", 1.0)
+        # Several services (`urls`): each item is looked for in the order `mmferry proxy`'s
+        # rendezvous routing ranks them for its hash, the next one when one is down or lacks it.
+        self._router = Router(urls)
+        self._clients: dict[str, CacheClient] = {}
+        self._presences: dict[str, Presence] = {}
+        for url in self._router.urls:
+            local = urlsplit(url).hostname in LOOPBACK
+            # NOTE: with the store, items it lacks still come from the service, as with auto.
+            shm = transport == "shm" or (transport in ("auto", "mooncake") and local)
+            client = CacheClient(
+                url,
+                api_key,
+                self._timeout_s,
+                shm,
+                caller=self._caller,
+                lookup_timeout_s=lookup_timeout_s,
+            )
+            self._clients[url] = client
+            self._presences[url] = Presence(client)
+        self._owners: dict[str, str] = {}  # identifier -> the service that answered present
+        self._planned: dict[str, str] = {}  # identifier -> the service its load goes to
         self._rows = row_spec(vllm_config.model_config)
-        self._presence = Presence(self._client)
         # transport mooncake: items are also looked for in the store (leased there while
         # trusted) and read from it, whichever encoder published them.
         self._store = None
@@ -172,18 +186,29 @@ class MmferryECConnector(ECConnectorBase):
     def has_cache_item(self, identifier: str) -> bool:
         if self._store_presence is not None and self._store_presence.has(identifier):
             return True
-        return self._presence.has(identifier)
+        for url in self._router.choices(identifier):
+            if self._presences[url].has(identifier):
+                self._owners[identifier] = url
+                return True
+        return False
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         identifier = request.mm_features[index].identifier
         stored = self._store_presence is not None and self._store_presence.claim(identifier)
-        if self._presence.claim(identifier) or stored:
+        url = self._owners.pop(identifier, None)
+        if url is not None and self._presences[url].claim(identifier):
+            self._planned[identifier] = url
+            stored = True
+        if stored:
             self._to_load[identifier] = request.get_num_encoder_embeds(index)
 
     def build_connector_meta(self, scheduler_output: Any) -> MmferryECMetadata:
-        meta = MmferryECMetadata(dict(self._to_load), self._caller)
+        meta = MmferryECMetadata(dict(self._to_load), self._caller, dict(self._planned))
         self._to_load.clear()
-        self._presence.end_pass()
+        self._planned.clear()
+        self._owners.clear()
+        for presence in self._presences.values():
+            presence.end_pass()
         if self._store_presence is not None:
             self._store_presence.end_pass()
         return meta
@@ -211,21 +236,38 @@ class MmferryECConnector(ECConnectorBase):
             need = {h: n for h, n in need.items() if h not in found}
             if not need:
                 return
-        self._client.set_caller(meta.caller)
-        # NOTE: vLLM has planned these items as loaded and will not encode them: rows that
-        # cannot be had (or do not fit) fail the step, naming them, never enter the cache.
-        rows = fetch_rows(self._client, need, self._rows, self._timeout_s)
-        for h, src in rows.items():
-            # The one copy: out of the shared-memory view (or parsed bytes) onto the device;
-            # the view, and with it the lease, dies here.
-            dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-            dst.copy_(src, non_blocking=device.type == "cuda")
-            encoder_cache[h] = dst
+        by_url: dict[str, dict[str, int]] = {}
+        for h, n in need.items():
+            by_url.setdefault(meta.owners.get(h, self._router.urls[0]), {})[h] = n
+        for url, items in by_url.items():
+            client = self._clients[url]
+            client.set_caller(meta.caller)
+            # NOTE: vLLM has planned these items as loaded and will not encode them: rows that
+            # cannot be had (or do not fit) fail the step, naming them, never enter the cache.
+            rows = fetch_rows(client, items, self._rows, self._timeout_s)
+            for h, src in rows.items():
+                # The one copy: out of the shared-memory view (or parsed bytes) onto the
+                # device; the view, and with it the lease, dies here.
+                dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+                dst.copy_(src, non_blocking=device.type == "cuda")
+                encoder_cache[h] = dst
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kw) -> None:
         return None  # a consumer: the service is the producer
 
     def shutdown(self) -> None:
-        self._client.close()
+        for client in self._clients.values():
+            client.close()
         if self._store is not None:
             self._store.close()
+
+
+def _urls(extra: dict[str, Any]) -> list[str]:
+    """The services: `url`, or the list `urls` (one of the two)."""
+    url, urls = extra.get("url"), extra.get("urls")
+    if (url is None) == (urls is None):
+        raise ValueError("MmferryECConnector needs ec_connector_extra_config.url (or urls)")
+    urls = [url] if urls is None else urls
+    if not isinstance(urls, list) or not urls or not all(isinstance(u, str) and u for u in urls):
+        raise ValueError("ec_connector_extra_config.url must be a URL, urls a list of URLs")
+    return urls

@@ -111,7 +111,7 @@ def chat(
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def stack(request, tmp_path_factory) -> Iterator[Stack]:
-    """vLLM (connector toward the first encoder, embeddings on) and three encoders."""
+    """vLLM (its connector over the three encoders, embeddings on) and three encoders."""
     needs_vllm()
     family = request.param
     model = build_checkpoint(family, tmp_path_factory.mktemp(family))
@@ -119,7 +119,7 @@ def stack(request, tmp_path_factory) -> Iterator[Stack]:
     vllm = None
     try:
         encoders = [encoder(model).start() for _ in range(3)]
-        connector = {"url": encoders[0].url}
+        connector = {"urls": [e.url for e in encoders]}
         vllm = VllmServer(model, tmp_path_factory.mktemp(f"vllm-{family}"), connector).start()
         factor = mf.Processor.from_pretrained(model).config.factor
         yield Stack(family, model, factor, vllm, encoders)

@@ -38,13 +38,13 @@ def media(stack, n: int = 2) -> list:
 
 @pytest.fixture(scope="module")
 def proxies(stack):
-    """An embeds-mode proxy over the three encoders, a connector-mode one over the encoder
-    vLLM's connector reads."""
+    """An embeds-mode and a connector-mode proxy over the three encoders (vLLM's connector
+    reads them all, each item where the proxy's routing put it)."""
     urls = [e.url for e in stack.encoders]
     started = {}
     try:
         started["embeds"] = proxy(stack.vllm.url, urls, "embeds").start()
-        started["connector"] = proxy(stack.vllm.url, urls[:1], "connector").start()
+        started["connector"] = proxy(stack.vllm.url, urls, "connector").start()
         yield started
     finally:
         for p in started.values():
