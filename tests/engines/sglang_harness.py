@@ -10,14 +10,11 @@ import json
 import os
 import re
 import subprocess
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-import torch
-
-from tests.engines.vllm_harness import Result
+from tests.engines.driver import DriverEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = ROOT / ".sglang-venv" / "bin" / "python"
@@ -25,8 +22,6 @@ HERE = Path(__file__).resolve().parent
 DRIVER = HERE / "sglang_driver.py"
 SHIM = HERE / "sglang_shim"
 START_TIMEOUT_S = 600
-STEP_TIMEOUT_S = 300
-NEW_TOKENS = 16
 # SGLang's engine on the CPU (see sglang_shim/sgl_kernel for the import shim), offline.
 SGLANG_ENV = {
     "SGLANG_USE_CPU_ENGINE": "1",
@@ -60,17 +55,12 @@ def sglang_env(**extra: str) -> dict[str, str]:
 
 
 @dataclass
-class SglangEngine:
+class SglangEngine(DriverEngine):
     """One `sglang.Engine` in a driver subprocess; `generate` sends requests, waits for the
     answer."""
 
-    proc: subprocess.Popen
-    workdir: Path
+    name: ClassVar[str] = "SGLang"
     start_s: float = 0.0
-    lines: list[str] = field(default_factory=list)
-    _answers: list[str] = field(default_factory=list)
-    _cond: threading.Condition = field(default_factory=threading.Condition)
-    _jobs: int = 0
 
     @classmethod
     def start(cls, model: Path, workdir: Path, env: dict[str, str] | None = None, **options):
@@ -86,7 +76,7 @@ class SglangEngine:
             start_new_session=True,  # stop() can end the scheduler it spawns with it
         )
         engine = cls(proc, workdir)
-        threading.Thread(target=engine._read, daemon=True).start()
+        engine._follow()
         try:
             engine._wait(lambda: engine._ready() is not None, START_TIMEOUT_S)
         except BaseException:
@@ -101,39 +91,6 @@ class SglangEngine:
             if m:
                 return float(m.group(1))
         return None
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            with self._cond:
-                if line.startswith(("[{", "[]", "{")):
-                    self._answers.append(line)
-                else:
-                    self.lines.append(line)
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    def _wait(self, ready, timeout: float) -> None:
-        with self._cond:
-            ok = self._cond.wait_for(lambda: ready() or self.proc.poll() is not None, timeout)
-            if not ready():
-                tail = "".join(self.lines[-60:])
-                why = "exited" if ok else "timed out"
-                raise RuntimeError(f"SGLang driver {why}:\n{tail}")
-
-    def generate(self, requests: list[dict[str, Any]], tokens: int = NEW_TOKENS) -> Any:
-        """Results in request order, or {"error": ..., "request": k, "alive": bool}."""
-        self._jobs += 1
-        path = self.workdir / f"job{self._jobs}.pt"
-        torch.save({"requests": requests, "tokens": tokens}, path)
-        n = len(self._answers)
-        self.proc.stdin.write(f"{path}\n")
-        self.proc.stdin.flush()
-        self._wait(lambda: len(self._answers) > n, STEP_TIMEOUT_S)
-        answer = json.loads(self._answers[n])
-        if isinstance(answer, dict):
-            return answer
-        return [Result(a["tokens"], [[tuple(p) for p in s] for s in a["top5"]]) for a in answer]
 
     def stop(self) -> None:
         """Close the driver's stdin (it shuts the engine down), then end its process group."""

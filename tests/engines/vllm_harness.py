@@ -8,19 +8,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-import torch
+from tests.engines.driver import DriverEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".vllm-venv" / "bin" / "python"
 DRIVER = Path(__file__).resolve().parent / "vllm_driver.py"
 START_TIMEOUT_S = 600
-STEP_TIMEOUT_S = 300
-NEW_TOKENS = 16
 # Quiet, offline, loopback-only vLLM on the CPU with a small KV cache.
 VLLM_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
@@ -53,30 +50,10 @@ def vllm_env(in_process: bool = True) -> dict[str, str]:
 
 
 @dataclass
-class Result:
-    tokens: list[int]
-    top5: list[list[tuple[int, float]]]
-
-    def max_logprob_diff(self, other: Result) -> float:
-        """Largest difference of the top-5 logprobs; inf when the top-5 token ids differ."""
-        worst = 0.0
-        for a, b in zip(self.top5, other.top5, strict=True):
-            if [t for t, _ in a] != [t for t, _ in b]:
-                return float("inf")
-            worst = max(worst, *(abs(x - y) for (_, x), (_, y) in zip(a, b)))
-        return worst
-
-
-@dataclass
-class VllmEngine:
+class VllmEngine(DriverEngine):
     """One `LLM` in a driver subprocess; `generate` sends requests and waits for the answer."""
 
-    proc: subprocess.Popen
-    workdir: Path
-    lines: list[str] = field(default_factory=list)
-    _answers: list[str] = field(default_factory=list)
-    _cond: threading.Condition = field(default_factory=threading.Condition)
-    _jobs: int = 0
+    name: ClassVar[str] = "vLLM"
 
     @classmethod
     def start(cls, model: Path, workdir: Path, *, in_process: bool = True, **options: Any):
@@ -91,42 +68,9 @@ class VllmEngine:
             cwd=workdir,
         )
         engine = cls(proc, workdir)
-        threading.Thread(target=engine._read, daemon=True).start()
+        engine._follow()
         engine._wait(lambda: any("vllm-driver: ready" in x for x in engine.lines), START_TIMEOUT_S)
         return engine
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            with self._cond:
-                if line.startswith(("[", "{")):
-                    self._answers.append(line)
-                else:
-                    self.lines.append(line)
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    def _wait(self, ready, timeout: float) -> None:
-        with self._cond:
-            ok = self._cond.wait_for(lambda: ready() or self.proc.poll() is not None, timeout)
-            if not ready():
-                tail = "".join(self.lines[-40:])
-                why = "exited" if ok else "timed out"
-                raise RuntimeError(f"vLLM driver {why}:\n{tail}")
-
-    def generate(self, requests: list[dict[str, Any]], tokens: int = NEW_TOKENS) -> Any:
-        """Results in request order, or {"error": ...} when vLLM refused the batch."""
-        self._jobs += 1
-        path = self.workdir / f"job{self._jobs}.pt"
-        torch.save({"requests": requests, "tokens": tokens}, path)
-        n = len(self._answers)
-        self.proc.stdin.write(f"{path}\n")
-        self.proc.stdin.flush()
-        self._wait(lambda: len(self._answers) > n, STEP_TIMEOUT_S)
-        answer = json.loads(self._answers[n])
-        if isinstance(answer, dict):
-            return answer
-        return [Result(a["tokens"], [[tuple(p) for p in s] for s in a["top5"]]) for a in answer]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
