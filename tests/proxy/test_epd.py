@@ -81,10 +81,9 @@ def test_same_tokens_as_vllm_given_the_pixels(stack, proxies, mode):
     assert models.json()["data"][0]["id"] == str(stack.model)
 
 
-def only_qwen2_5(stack) -> None:
-    # Routing and failure handling do not depend on the family: one family's vLLM runs them.
-    if stack.family != "qwen2_5_vl":
-        pytest.skip("run on the qwen2_5_vl stack")
+# Routing and failure handling do not depend on the family: they run on one family's stack
+# (the engine it already started; pytest keeps each module-scoped stack's tests together).
+only_qwen2_5 = pytest.mark.parametrize("stack", ["qwen2_5_vl"], indirect=True)
 
 
 def encoded(urls: list[str]) -> list[float]:
@@ -96,8 +95,8 @@ def delta(after: list[float], before: list[float]) -> list[int]:
     return [int(a - b) for a, b in zip(after, before)]
 
 
+@only_qwen2_5
 def test_items_go_to_the_encoder_their_key_routes_to(stack, proxies):
-    only_qwen2_5(stack)
     urls = [e.url for e in stack.encoders]
     first = proxies["embeds"].url
     f = stack.factor
@@ -149,8 +148,8 @@ def test_items_go_to_the_encoder_their_key_routes_to(stack, proxies):
             p.stop()
 
 
+@only_qwen2_5
 def test_encoder_refusals_are_the_clients_answer(stack, proxies):
-    only_qwen2_5(stack)
     a = media(stack, 1)[0]
     broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     for mode in ("embeds", "connector"):
@@ -166,8 +165,8 @@ def test_encoder_refusals_are_the_clients_answer(stack, proxies):
     assert "allowed hosts" in r.text
 
 
+@only_qwen2_5
 def test_an_unreachable_vllm_is_a_502(stack):
-    only_qwen2_5(stack)
     dead = f"http://127.0.0.1:{free_port()}"
     front = proxy(dead, [stack.encoders[0].url], "embeds").start()
     try:
@@ -180,8 +179,8 @@ def test_an_unreachable_vllm_is_a_502(stack):
         front.stop()
 
 
+@only_qwen2_5
 def test_a_client_gone_mid_stream_cancels_the_upstream_request(stack, proxies):
-    only_qwen2_5(stack)
     url, metric = proxies["embeds"].url, stack.vllm.metric
     finished = metric("vllm:request_success_total", finished_reason="length")
     generated = metric("vllm:generation_tokens_total")
@@ -205,8 +204,8 @@ def test_a_client_gone_mid_stream_cancels_the_upstream_request(stack, proxies):
     assert httpx.get(f"{url}/health", timeout=10).json()["in_flight"] == 0
 
 
+@only_qwen2_5
 def test_failover_to_other_encoders_and_to_vllm(stack, proxies):
-    only_qwen2_5(stack)
     url = proxies["embeds"].url
     f = stack.factor
     contents = [
@@ -266,8 +265,8 @@ def test_failover_to_other_encoders_and_to_vllm(stack, proxies):
                 e.start()
 
 
+@only_qwen2_5
 def test_api_key_admission_and_drain(stack):
-    only_qwen2_5(stack)
     key = "proxy-key-0123456789"
     front = proxy(
         stack.vllm.url,
