@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mmferry.commands.serve import add_log_level, port
+from mmferry.commands.serve import add_intake_args, add_log_level, port
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -97,6 +97,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="SIGTERM to exit")
     p.add_argument("--body-timeout", type=float, default=30.0, metavar="S", help="408 past it")
+    add_intake_args(p)
     add_log_level(p)
 
 
@@ -132,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
             llm_timeout_s=args.llm_timeout,
             drain_timeout_s=args.drain_timeout,
             body_timeout_s=args.body_timeout,
+            header_timeout_s=args.header_timeout,
+            max_uploads=args.max_uploads,
         )
         state = ProxyState(config)
     except ValueError as e:
@@ -143,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     app = create_app(config, state)
+
+    def header_timeout() -> None:
+        state.metrics.errors.labels("header_timeout").inc()
+        state.metrics.requests.labels("other", "408").inc()
+
     return serve_app(
         app,
         state,
@@ -151,4 +159,6 @@ def run(args: argparse.Namespace) -> int:
         config.drain_timeout_s,
         name="proxy",
         log_level=args.log_level,
+        header_timeout_s=config.header_timeout_s,
+        on_header_timeout=header_timeout,
     )

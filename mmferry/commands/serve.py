@@ -69,12 +69,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="admitted requests (their bodies in); 503 past it",
     )
     p.add_argument(
-        "--max-uploads",
-        type=int,
-        default=d.max_uploads,
-        help="request bodies arriving at once; 503 past it",
-    )
-    p.add_argument(
         "--cache-mib", type=int, default=d.cache_bytes >> 20, help="encoder cache size (MiB)"
     )
     p.add_argument(
@@ -145,13 +139,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="a request body must arrive within this; 408 past it",
     )
-    p.add_argument(
-        "--header-timeout",
-        type=float,
-        default=d.header_timeout_s,
-        metavar="S",
-        help="a request's headers must arrive within this; 408 past it",
-    )
+    add_intake_args(p)
     p.add_argument(
         "--store",
         metavar="URL",
@@ -159,6 +147,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "mooncake://MASTER_HOST:PORT?metadata=URL (the `mooncake` extra; README)",
     )
     add_log_level(p)
+
+
+def add_intake_args(p: argparse.ArgumentParser) -> None:
+    """--max-uploads and --header-timeout, what every request's intake obeys (`serve` and
+    `proxy`; server/intake.py and server/protocol.py)."""
+    from mmferry.server.service import ServiceConfig
+
+    d = ServiceConfig()
+    p.add_argument(
+        "--max-uploads",
+        type=int,
+        default=d.max_uploads,
+        help="request bodies arriving at once; 503 past it",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.header_timeout_s,
+        metavar="S",
+        help="a request's headers must arrive within this; 408 past it",
+    )
 
 
 def add_log_level(p: argparse.ArgumentParser) -> None:

@@ -1,10 +1,13 @@
 """The proxy's HTTP surface (FastAPI): `POST /v1/chat/completions` with its media encoded by the
 encoders; every other route passed to the engine unchanged; `/health` and `/metrics` its own.
 
-Before the body is read: a wrong API key is 401, a draining proxy 503 with Retry-After. The
-body then has `--body-timeout` to arrive (408) and is 413 past the byte limit; only then is the
-request admitted (past `--max-in-flight`, 503 with Retry-After). A request stays in flight until
-its answer has been streamed out, so SIGTERM drains streams too.
+Every POST is read by the server's one request path (server/intake.py): API key (401), drain
+(503 with Retry-After), a JSON content type (415), `--max-uploads` (503), the body under its
+byte limit (413) and `--body-timeout` (408), parsed as JSON (400; large bodies off the event
+loop), a client gone mid-upload counted as 499. Other methods get the key, the drain, the limit
+and the deadline, and pass their body on as it came. Only then is a request admitted (past
+`--max-in-flight`, 503 with Retry-After). A request stays in flight until its answer has been
+streamed out, so SIGTERM drains streams too. Refusals take the engine's error shape (OpenAI's).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from mmferry.proxy.encoders import EncoderPool
 from mmferry.proxy.forward import Upstream, relay, response_headers
 from mmferry.proxy.media import find_media, rewrite
 from mmferry.proxy.metrics import ProxyMetrics
-from mmferry.server.app import RETRY_AFTER_S, import_fastapi
-from mmferry.server.bodies import check_caller, linger, parse_json, read_body
+from mmferry.server.app import import_fastapi
+from mmferry.server.bodies import check_caller, linger, read_body
+from mmferry.server.intake import Intake
 from mmferry.server.limits import RequestError
 from mmferry.server.sources import source_policy
 
@@ -44,6 +48,7 @@ class ProxyState:
         self.policy = source_policy(config.limits)
         self.in_flight = 0  # admitted requests, until their answer has been streamed out
         self.reading = 0  # requests whose body is still arriving
+        self.serving = 0  # read, not yet admitted (server/intake.py counts them)
         self.draining = False
         self.cut_reads = asyncio.Event()  # set at the drain deadline (server/run.py)
 
@@ -60,6 +65,18 @@ async def encode_all(state: ProxyState, media: list) -> list:
         raise
 
 
+class ProxyIntake(Intake):
+    """server/intake.py for the proxy: answers counted by route, in the engine's error shape."""
+
+    def count(self, request: Any, status: int) -> None:
+        path = request.url.path if request is not None else ""
+        self.metrics.requests.labels(CHAT if path == CHAT else "other", str(status)).inc()
+
+    def error_body(self, err: RequestError) -> dict:
+        # The engine's error shape (OpenAI's), with the proxy's kind as its type.
+        return {"error": {"message": err.message, "type": err.kind, "code": err.status}}
+
+
 def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
     """The proxy's ASGI app (FastAPI); `state` lets the runner drain it."""
     fastapi = import_fastapi()
@@ -69,6 +86,7 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
 
     state = state or ProxyState(config)
     metrics = state.metrics
+    intake = ProxyIntake(state, config, metrics)
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -76,18 +94,10 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         yield
         await state.encoders.close()
         await state.upstream.aclose()
+        await intake.json.close()
 
     app = fastapi.FastAPI(title="mmferry proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.mmferry = state
-
-    def refuse(route: str, err: RequestError, *, close: bool = False) -> Any:
-        metrics.requests.labels(route, str(err.status)).inc()
-        headers = {"Retry-After": RETRY_AFTER_S} if err.status == 503 else {}
-        if close:
-            headers["Connection"] = "close"
-        # The engine's error shape (OpenAI's), with the proxy's kind as its type.
-        body = {"error": {"message": err.message, "type": err.kind, "code": err.status}}
-        return JSONResponse(body, status_code=err.status, headers=headers)
 
     @app.get("/health")
     async def health() -> Any:
@@ -105,38 +115,17 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    async def admit(request: Any) -> bytes:
-        check_caller(request.headers, config.api_key, state.draining)
-        state.reading += 1
-        try:
-            limits = config.limits
-            raw = await read_body(
-                request, limits.max_request_bytes, config.body_timeout_s, state.cut_reads
-            )
-        finally:
-            state.reading -= 1
-        # NOTE: no await from here to the in_flight increment (the drain's invariant).
+    def admit() -> None:
+        """Counts a read request in flight, or refuses it (503) past --max-in-flight."""
         if state.in_flight >= config.max_in_flight:
             msg = f"{config.max_in_flight} requests are in flight (--max-in-flight); retry later"
             raise RequestError(503, "queue_full", msg)
-        return raw
-
-    async def handle(request: Any) -> Any:
-        t0 = time.perf_counter()
-        path = request.url.path
-        route = CHAT if path == CHAT else "other"
-        try:
-            raw = await admit(request)
-        except RequestError as e:
-            close = e.kind not in ("queue_full",)
-            if close:
-                await linger(request)
-            return refuse(route, e, close=close)
-        except ClientDisconnect:
-            metrics.requests.labels(route, "499").inc()
-            return Response(status_code=499)
         state.in_flight += 1
         metrics.in_flight.set(state.in_flight)
+
+    async def forward(request: Any, raw: bytes, t0: float) -> Any:
+        """The engine's answer to `raw`, streamed; the request is in flight (admit) until the
+        stream ends. Raises what the engine's connection raises, the request released."""
         finished = False
 
         async def finish() -> None:
@@ -147,19 +136,12 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
                 metrics.in_flight.set(state.in_flight)
 
         try:
-            if route == CHAT and request.method == "POST":
-                raw = await _encoded_body(raw)
             upstream = await state.upstream.send(
-                request.method, path, request.url.query, request.headers, raw
+                request.method, request.url.path, request.url.query, request.headers, raw
             )
-        except RequestError as e:
+        except BaseException:
             await finish()
-            return refuse(route, e)
-        except Exception as e:  # noqa: BLE001 - one failing request must not stop the proxy
-            await finish()
-            log.exception("proxy request failed")
-            return refuse(route, RequestError(500, "internal", f"{type(e).__name__}: {e}"))
-        metrics.requests.labels(route, str(upstream.status_code)).inc()
+            raise
 
         async def done() -> None:
             with contextlib.suppress(Exception):
@@ -175,16 +157,66 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
             background=BackgroundTask(done),
         )
 
-    async def _encoded_body(raw: bytes) -> bytes:
+    async def post(request: Any, body: Any) -> Any:
+        """A POST, read and parsed by intake.py: chat media encoded, then to the engine."""
+        t0 = time.perf_counter()
+        # NOTE: no await from intake's count (serving) to admit's (the drain's invariant).
+        admit()
+        try:
+            if request.url.path == CHAT:
+                raw = await _encoded_body(body)
+            else:
+                raw = json.dumps(body).encode()
+        except BaseException:
+            state.in_flight -= 1
+            metrics.in_flight.set(state.in_flight)
+            raise
+        return await forward(request, raw, t0)
+
+    async def other(request: Any) -> Any:
+        """Any other method: its body (if any) passed on as it came."""
+        t0 = time.perf_counter()
+        try:
+            check_caller(request.headers, config.api_key, state.draining)
+            state.reading += 1
+            try:
+                raw = await read_body(
+                    request,
+                    config.limits.max_request_bytes,
+                    config.body_timeout_s,
+                    state.cut_reads,
+                )
+            finally:
+                state.reading -= 1
+        except RequestError as e:
+            await linger(request)
+            return intake.refuse(e, close=True, request=request)
+        except ClientDisconnect:
+            intake.count(request, 499)
+            return Response(status_code=499)
+        try:
+            # NOTE: no await from the read to the in-flight count (the drain's invariant).
+            admit()
+            answer = await forward(request, raw, t0)
+        except RequestError as e:
+            return intake.refuse(e, request=request)
+        except Exception as e:  # noqa: BLE001 - one failing request must not stop the proxy
+            log.exception("proxy request failed")
+            err = RequestError(500, "internal", f"{type(e).__name__}: {e}")
+            return intake.refuse(err, request=request)
+        intake.count(request, answer.status_code)
+        return answer
+
+    async def _encoded_body(body: Any) -> bytes:
         """The chat body with its media encoded and rewritten; as it came when it has none."""
-        body = parse_json(raw)
         media = find_media(body, state.policy)
-        if not media:
-            return raw
-        answers = await encode_all(state, media)
-        return json.dumps(rewrite(body, media, answers, config.mode)).encode()
+        if media:
+            answers = await encode_all(state, media)
+            body = rewrite(body, media, answers, config.mode)
+        return json.dumps(body).encode()
 
     # NOTE: as in server/app.py, FastAPI needs the real class to hand the raw request over.
-    handle.__annotations__["request"] = fastapi.Request
-    app.api_route("/{path:path}", methods=METHODS)(handle)
+    other.__annotations__["request"] = fastapi.Request
+    app.post("/{path:path}")(intake.route(post))
+    app.api_route("/{path:path}", methods=[m for m in METHODS if m != "POST"])(other)
     return app

@@ -32,6 +32,8 @@ class ProxyConfig:
     probe_interval_s: float = 0.25  # how often down encoders are checked for a due probe
     drain_timeout_s: float = 30.0
     body_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this (408)
+    max_uploads: int = 64  # request bodies arriving at once; the next one gets 503
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -40,8 +42,9 @@ class ProxyConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not self.encoder_urls:
             raise ValueError("give at least one encoder (--encoder URL)")
-        if self.max_in_flight < 1:
-            raise ValueError("max_in_flight must be at least 1")
+        for name in ("max_in_flight", "max_uploads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
         for name in (
             "epsilon",
             "encoder_timeout_s",
@@ -49,6 +52,7 @@ class ProxyConfig:
             "llm_timeout_s",
             "drain_timeout_s",
             "body_timeout_s",
+            "header_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -16,6 +18,16 @@ class ProxyMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "mmferry_proxy_requests", "requests answered", ["route", "status"], registry=r
+        )
+        self.errors = Counter(
+            "mmferry_proxy_errors", "refused or failed requests", ["kind"], registry=r
+        )
+        self.stage_seconds = Histogram(
+            "mmferry_proxy_stage_seconds",
+            "time in each stage of a request (read: its body arriving and parsed)",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.in_flight = Gauge("mmferry_proxy_requests_in_flight", "admitted requests", registry=r)
         self.encoder_seconds = Histogram(
@@ -45,7 +57,7 @@ class ProxyMetrics:
         )
         self.ttft_seconds = Histogram(
             "mmferry_proxy_ttft_seconds",
-            "request arrival to the engine's first chunk, as the proxy sees it",
+            "the request read (its body in) to the engine's first chunk, as the proxy sees it",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -53,6 +65,15 @@ class ProxyMetrics:
             self.encoder_up.labels(url).set(1)
             self.items_routed.labels(url)
             self.encoder_seconds.labels(url)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time the enclosed block as stage `name` (server/intake.py times the read)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stage_seconds.labels(name).observe(time.perf_counter() - t0)
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) for GET /metrics."""

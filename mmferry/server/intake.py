@@ -41,25 +41,35 @@ class _Unread(Exception):
 
 
 class Intake:
-    """Reads, checks and admits the requests of one app (`state`: its AppState)."""
+    """Reads, checks and admits the requests of one app (`state`: its AppState, or another
+    with its counts and drain fields). `config` has `api_key`, `max_uploads`, `limits`,
+    `body_timeout_s` (and `max_queue` for routes that encode); `metrics` has `stage`,
+    `errors` and `requests`. Both are the service's unless given (the proxy's own)."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any, config: Any = None, metrics: Any = None) -> None:
         self.state = state
-        self.config = state.service.config
-        self.metrics = state.service.metrics
+        self.config = config if config is not None else state.service.config
+        self.metrics = metrics if metrics is not None else state.service.metrics
         self.json = JsonChild()
 
-    def refuse(self, err: RequestError, *, close: bool = False) -> Any:
+    def count(self, request: Any, status: int) -> None:
+        """Counts one answer; the proxy's subclass labels it by route as well."""
+        self.metrics.requests.labels(str(status)).inc()
+
+    def error_body(self, err: RequestError) -> dict:
+        """The JSON body of a refusal; the proxy's subclass answers in the engine's shape."""
+        return {"error": {"kind": err.kind, "message": err.message}}
+
+    def refuse(self, err: RequestError, *, close: bool = False, request: Any = None) -> Any:
         """The JSON error answer for `err`, counted; `close` when the body was not read."""
         from fastapi.responses import JSONResponse
 
         self.metrics.errors.labels(err.kind).inc()
-        self.metrics.requests.labels(str(err.status)).inc()
+        self.count(request, err.status)
         headers = {"Retry-After": RETRY_AFTER_S} if err.status == 503 else {}
         if close:  # the body was not read: the connection cannot carry another request
             headers["Connection"] = "close"
-        body = {"error": {"kind": err.kind, "message": err.message}}
-        return JSONResponse(body, status_code=err.status, headers=headers)
+        return JSONResponse(self.error_body(err), status_code=err.status, headers=headers)
 
     async def body(self, request: Any) -> Any:
         """The parsed JSON body; RequestError, _Unread or ClientDisconnect otherwise."""
@@ -113,13 +123,13 @@ class Intake:
                 # A refusal before the whole body is in leaves bytes on the connection: close
                 # it, after reading what the client is still sending, briefly.
                 await linger(request)
-                return self.refuse(e.error, close=True)
+                return self.refuse(e.error, close=True, request=request)
             except RequestError as e:
-                return self.refuse(e)
+                return self.refuse(e, request=request)
             except ClientDisconnect:
                 # The client hung up mid-upload: its own doing, not a server fault (nginx's 499).
                 metrics.errors.labels("client_disconnect").inc()
-                metrics.requests.labels("499").inc()
+                self.count(request, 499)
                 log.info("client disconnected before its request body arrived")
                 return Response(status_code=499)
             if encodes:
@@ -130,18 +140,21 @@ class Intake:
             try:
                 result = await handler(request, body)
             except RequestError as e:
-                return self.refuse(e)
+                return self.refuse(e, request=request)
             except Exception as e:  # noqa: BLE001 - one failing request must not stop the server
                 log.exception("%s failed", request.url.path)
-                return self.refuse(RequestError(500, "internal", f"{type(e).__name__}: {e}"))
+                err = RequestError(500, "internal", f"{type(e).__name__}: {e}")
+                return self.refuse(err, request=request)
             finally:
                 if encodes:
                     state.in_flight -= 1
                     metrics.in_flight.set(state.in_flight)
                 else:
                     state.serving -= 1
-            metrics.requests.labels("200").inc()
-            return result if isinstance(result, Response) else JSONResponse(result)
+            if not isinstance(result, Response):
+                result = JSONResponse(result)
+            self.count(request, result.status_code)  # the proxy relays the engine's status
+            return result
 
         # NOTE: annotations are strings here (future import); FastAPI needs the real class to
         # hand the raw request over, so it is set before the route is registered.

@@ -1,0 +1,65 @@
+"""`mmferry proxy` reads its POSTs through the server's one request path (server/intake.py)
+and holds request headers to `--header-timeout`, over real HTTP: checked before anything
+reaches an encoder or the engine, so neither runs here (their addresses refuse connections)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.engines.service import free_port
+from tests.proxy.procs import Proc, proxy, scrape
+
+HEADER_TIMEOUT_S = 1
+
+
+@pytest.fixture(scope="module")
+def front() -> Iterator[Proc]:
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    p = proxy(dead[0], dead[1:], "embeds", "--header-timeout", str(HEADER_TIMEOUT_S)).start()
+    yield p
+    p.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_body_that_is_not_json_is_a_415(front, path):
+    r = httpx.post(
+        f"{front.url}{path}",
+        content=b"model=m&prompt=hi",
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        timeout=30,
+    )
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["code"] == 415
+    route = path if path == "/v1/chat/completions" else "other"
+    assert scrape(front.url, "mmferry_proxy_requests_total", route=route, status="415") >= 1
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """What the proxy sends until it closes."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_headers_never_sent_are_a_408_within_the_header_timeout(front):
+    split = urlsplit(front.url)
+    before = scrape(front.url, "mmferry_proxy_errors_total", kind="header_timeout")
+    t0 = time.monotonic()
+    with socket.create_connection((split.hostname, split.port), timeout=30) as silent:
+        silent.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # never ended
+        answer = _answer(silent)
+    waited = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"--header-timeout" in answer
+    assert HEADER_TIMEOUT_S - 0.1 <= waited < HEADER_TIMEOUT_S + 5, waited
+    assert scrape(front.url, "mmferry_proxy_errors_total", kind="header_timeout") == before + 1
