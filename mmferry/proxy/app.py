@@ -1,13 +1,14 @@
 """The proxy's HTTP surface (FastAPI): `POST /v1/chat/completions` with its media encoded by the
 encoders; every other route passed to the engine unchanged; `/health` and `/metrics` its own.
 
-Every POST is read by the server's one request path (server/intake.py): API key (401), drain
-(503 with Retry-After), a JSON content type (415), `--max-uploads` (503), the body under its
-byte limit (413) and `--body-timeout` (408), parsed as JSON (400; large bodies off the event
-loop), a client gone mid-upload counted as 499. Other methods get the key, the drain, the limit
-and the deadline, and pass their body on as it came. Only then is a request admitted (past
-`--max-in-flight`, 503 with Retry-After). A request stays in flight until its answer has been
-streamed out, so SIGTERM drains streams too. Refusals take the engine's error shape (OpenAI's).
+A chat request is read by the server's one request path (server/intake.py): API key (401),
+drain (503 with Retry-After), a JSON content type (415), `--max-uploads` (503), the body under
+its byte limit (413) and `--body-timeout` (408), parsed as JSON (400; large bodies off the event
+loop), a client gone mid-upload counted as 499. Every other route and method gets the key, the
+drain, the limit and the deadline, and passes its body on as it came, byte for byte. Only then
+is a request admitted (past `--max-in-flight`, 503 with Retry-After). A request stays in flight
+until its answer has been streamed out, so SIGTERM drains streams too. Refusals take the
+engine's error shape (OpenAI's).
 """
 
 from __future__ import annotations
@@ -157,16 +158,13 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
             background=BackgroundTask(done),
         )
 
-    async def post(request: Any, body: Any) -> Any:
-        """A POST, read and parsed by intake.py: chat media encoded, then to the engine."""
+    async def chat(request: Any, body: Any) -> Any:
+        """A chat request, read and parsed by intake.py: media encoded, then to the engine."""
         t0 = time.perf_counter()
         # NOTE: no await from intake's count (serving) to admit's (the drain's invariant).
         admit()
         try:
-            if request.url.path == CHAT:
-                raw = await _encoded_body(body)
-            else:
-                raw = json.dumps(body).encode()
+            raw = await _encoded_body(body)
         except BaseException:
             state.in_flight -= 1
             metrics.in_flight.set(state.in_flight)
@@ -174,7 +172,8 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         return await forward(request, raw, t0)
 
     async def other(request: Any) -> Any:
-        """Any other method: its body (if any) passed on as it came."""
+        """Any other route or method: its body (if any) passed on byte for byte, whatever its
+        content type (an engine's multipart routes included)."""
         t0 = time.perf_counter()
         try:
             check_caller(request.headers, config.api_key, state.draining)
@@ -217,6 +216,6 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
 
     # NOTE: as in server/app.py, FastAPI needs the real class to hand the raw request over.
     other.__annotations__["request"] = fastapi.Request
-    app.post("/{path:path}")(intake.route(post))
-    app.api_route("/{path:path}", methods=[m for m in METHODS if m != "POST"])(other)
+    app.post(CHAT)(intake.route(chat))
+    app.api_route("/{path:path}", methods=METHODS)(other)
     return app

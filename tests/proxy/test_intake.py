@@ -5,8 +5,11 @@ reaches an encoder or the engine, so neither runs here (their addresses refuse c
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -26,8 +29,8 @@ def front() -> Iterator[Proc]:
     p.stop()
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-def test_a_body_that_is_not_json_is_a_415(front, path):
+def test_a_chat_body_that_is_not_json_is_a_415(front):
+    path = "/v1/chat/completions"
     r = httpx.post(
         f"{front.url}{path}",
         content=b"model=m&prompt=hi",
@@ -36,8 +39,50 @@ def test_a_body_that_is_not_json_is_a_415(front, path):
     )
     assert r.status_code == 415, r.text
     assert r.json()["error"]["code"] == 415
-    route = path if path == "/v1/chat/completions" else "other"
-    assert scrape(front.url, "mmferry_proxy_requests_total", route=route, status="415") >= 1
+    assert scrape(front.url, "mmferry_proxy_requests_total", route=path, status="415") >= 1
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """An upstream that keeps what reached it: method, path, content type, body bytes."""
+
+    seen: ClassVar[list[tuple[str, str, str, bytes]]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.seen.append((self.command, self.path, self.headers.get("Content-Type", ""), body))
+        answer = b'{"ok": true}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("path", "ctype", "body"),
+    [
+        ("/v1/completions", "application/json", b'{"model": "m",  "prompt": "hi"}'),
+        ("/v1/audio/transcriptions", "multipart/form-data; boundary=x", b"--x\r\n\r\nhi\r\n--x--"),
+        ("/v1/completions", "application/x-www-form-urlencoded", b"model=m&prompt=hi"),
+    ],
+)
+def test_every_other_post_reaches_the_engine_byte_for_byte(path, ctype, body):
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    llm = f"http://127.0.0.1:{upstream.server_address[1]}"
+    p = proxy(llm, [f"http://127.0.0.1:{free_port()}"], "embeds").start()
+    try:
+        _Recorder.seen.clear()
+        r = httpx.post(f"{p.url}{path}", content=body, headers={"Content-Type": ctype}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"ok": True}
+        assert _Recorder.seen == [("POST", path, ctype, body)]
+    finally:
+        p.stop()
+        upstream.shutdown()
 
 
 def _answer(sock: socket.socket) -> bytes:
