@@ -19,8 +19,6 @@ from mmferry.server.encoded import from_bytes
 from .conftest import IMAGE_MAX_PIXELS, Server, png, start_server
 from .test_hostile import _png_with
 
-pytest.importorskip("av")
-
 # Qwen3-VL's rule: a video's frames (rounded up to whole temporal patches) x size within it.
 VIDEO_MAX_PIXELS = 4 * 128 * 128
 LIMIT_PIXELS = 1_000_000

@@ -116,7 +116,6 @@ def test_model_identity_tells_weights_apart():
 def test_checkpoint_identity_is_its_vision_weights(tmp_path):
     """The identity an engine computes from the checkpoint folder: the same for a copy sharded
     differently, another for other vision weights, blind to language-model weights."""
-    pytest.importorskip("transformers")
     from mmferry.testing import save_tiny_checkpoint
 
     folder, _ = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "ckpt")
