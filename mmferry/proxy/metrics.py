@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+
+from mmferry.server.metrics import Staged
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-class ProxyMetrics:
+class ProxyMetrics(Staged):
     """Per-encoder latency, failures and up/down; items routed and fallen back; TTFT."""
 
     def __init__(self, encoders: Sequence[str]) -> None:
@@ -65,18 +65,3 @@ class ProxyMetrics:
             self.encoder_up.labels(url).set(1)
             self.items_routed.labels(url)
             self.encoder_seconds.labels(url)
-
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        """Time the enclosed block as stage `name` (server/intake.py times the read)."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.stage_seconds.labels(name).observe(time.perf_counter() - t0)
-
-    def render(self) -> tuple[bytes, str]:
-        """(body, content type) for GET /metrics."""
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST

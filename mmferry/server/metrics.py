@@ -5,11 +5,35 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 STAGES = ("read", "fetch", "preprocess", "queue", "encode", "respond")
 
 
-class Metrics:
+class Staged:
+    """What the service's and the proxy's metrics share: a registry with a `stage_seconds`
+    histogram, stage timing and the scrape body."""
+
+    registry: Any
+    stage_seconds: Any
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time the enclosed block as stage `name`."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stage_seconds.labels(name).observe(time.perf_counter() - t0)
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) for GET /metrics."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class Metrics(Staged):
     """Queue depth, batch sizes, per-stage latency, cache hits, pool fallbacks, errors."""
 
     def __init__(self) -> None:
@@ -54,18 +78,3 @@ class Metrics:
         )
         for stage in STAGES:  # every stage shows up from the first scrape
             self.stage_seconds.labels(stage)
-
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        """Time the enclosed block as stage `name`."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.stage_seconds.labels(name).observe(time.perf_counter() - t0)
-
-    def render(self) -> tuple[bytes, str]:
-        """(body, content type) for GET /metrics."""
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
