@@ -55,18 +55,29 @@ class RowSpec:
 
     def check(self, identifier: str, rows: Any, tokens: int) -> torch.Tensor:
         """`rows` when they are a `[tokens, width]` tensor of `dtype`, else `BadRows`."""
-        want = f"[{tokens}, {self.width}] {self.dtype}"
-        if not isinstance(rows, torch.Tensor):
-            raise BadRows(f"{identifier}: got a {type(rows).__name__}, want {want}")
-        # NOTE: vLLM slices an item's rows by token and concatenates them across items: a
-        # wrong dimension count, width or dtype passes its encoder cache and fails the engine
-        # later, in the middle of a batch.
-        if rows.dim() != 2 or tuple(rows.shape) != (tokens, self.width) or rows.dtype != self.dtype:
-            raise BadRows(f"{identifier}: rows {tuple(rows.shape)} {rows.dtype}, want {want}")
-        return rows
+        return check_rows(identifier, rows, tokens, self.dtype, self.width)
 
 
-def _strict_json(raw: bytes) -> Any:
+def check_rows(
+    identifier: str, rows: Any, tokens: int, dtype: torch.dtype, width: int | None = None
+) -> torch.Tensor:
+    """`rows` when they are a `[tokens, width]` tensor of `dtype` (any width above 0 when
+    `width` is None: a caller that does not know the model's), else `BadRows`."""
+    want = f"[{tokens}, {'width' if width is None else width}] {dtype}"
+    if not isinstance(rows, torch.Tensor):
+        raise BadRows(f"{identifier}: got a {type(rows).__name__}, want {want}")
+    # NOTE: vLLM slices an item's rows by token and concatenates them across items: a
+    # wrong dimension count, width or dtype passes its encoder cache and fails the engine
+    # later, in the middle of a batch.
+    fits = rows.dim() == 2 and rows.shape[0] == tokens and rows.dtype == dtype
+    if fits:
+        fits = rows.shape[1] == width if width is not None else rows.shape[1] > 0
+    if not fits:
+        raise BadRows(f"{identifier}: rows {tuple(rows.shape)} {rows.dtype}, want {want}")
+    return rows
+
+
+def strict_json(raw: bytes) -> Any:
     """JSON with no duplicate keys and no NaN or infinities (a lying service sends both)."""
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -157,7 +168,7 @@ class CacheClient:
     def _lookup(self, hashes: list[str]) -> list[float]:
         r = self._post("/v1/cache/lookup", {"hashes": hashes})
         try:
-            doc = _strict_json(r.content)
+            doc = strict_json(r.content)
         except ValueError as e:
             raise BadAnswer(f"lookup: the answer is not JSON ({e}): {r.text[:80]!r}") from None
         present = doc.get("present") if isinstance(doc, dict) else None
@@ -195,23 +206,15 @@ class CacheClient:
         if shm:
             body["response"] = "shm"
         r = self._post("/v1/cache/load", body)
+        if not shm:
+            return read_rows(r.content, hashes)
         try:
-            if shm:
-                docs = _strict_json(r.content)["items"]
-                if not isinstance(docs, dict):
-                    raise TypeError(f"'items' is a {type(docs).__name__}")
-            else:
-                from safetensors.torch import load
-
-                docs = load(r.content)
+            docs = strict_json(r.content)["items"]
+            if not isinstance(docs, dict):
+                raise TypeError(f"'items' is a {type(docs).__name__}")
         except Exception as e:  # noqa: BLE001 - whatever the parser raises, the answer is bad
             raise BadAnswer(f"load: unreadable answer ({type(e).__name__}: {e})") from None
-        if set(docs) != set(hashes):
-            missing = sorted(set(hashes) - set(docs))
-            extra = sorted(set(docs) - set(hashes))
-            raise BadAnswer(f"load: the answer lacks {missing} and adds {extra}")
-        if not shm:
-            return docs
+        _exactly(docs, hashes)
         from mmferry.server.client import open_handle
 
         rows = {}
@@ -227,6 +230,26 @@ class CacheClient:
     def close(self) -> None:
         self._http.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _exactly(docs: dict[str, Any], hashes: list[str]) -> None:
+    if set(docs) != set(hashes):
+        missing = sorted(set(hashes) - set(docs))
+        extra = sorted(set(docs) - set(hashes))
+        raise BadAnswer(f"load: the answer lacks {missing} and adds {extra}")
+
+
+def read_rows(content: bytes, hashes: list[str]) -> dict[str, torch.Tensor]:
+    """A load answer's safetensors body as rows per hash: exactly `hashes`, else `BadAnswer`
+    (the rows themselves are checked by `check_rows`)."""
+    try:
+        from safetensors.torch import load
+
+        docs = load(content)
+    except Exception as e:  # noqa: BLE001 - whatever the parser raises, the answer is bad
+        raise BadAnswer(f"load: unreadable answer ({type(e).__name__}: {e})") from None
+    _exactly(docs, hashes)
+    return docs
 
 
 def fetch_rows(

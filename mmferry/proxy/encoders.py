@@ -3,8 +3,10 @@
 An encoder that refuses the connection, times out or answers 5xx is marked down and the item
 goes to its next choice; a background task probes down encoders' `/health` (with the router's
 backoff) and brings them back. An encoder's own refusal of the item (a 4xx: bad media, too
-large) is the client's answer. When no encoder can serve an item, or the one that encoded it
-does not hold it for the engine, the item goes to the engine as pixels (`None`).
+large) is the client's answer. An answer that is not the protocol's (answers.py: malformed,
+lying facts, rows that do not fit) fails that encoder for the item, as a 5xx does, without
+marking it down. When no encoder can serve an item, or the one that encoded it does not hold
+it for the engine, the item goes to the engine as pixels (`None`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import time
 from typing import Any
 
+from mmferry.proxy.answers import BadEncoderAnswer, encode_facts, loaded_rows
 from mmferry.proxy.config import ProxyConfig
 from mmferry.proxy.media import Encoded, Media, client_error
 from mmferry.proxy.metrics import ProxyMetrics
@@ -90,6 +93,9 @@ class EncoderPool:
             # The proxy's key toward the encoders is wrong: the operator's fault, not the
             # client's; the next choice may still take it.
             raise _Failed("unauthorized", "the encoder refused the proxy's key")
+        if not 400 <= r.status_code < 500:
+            # Not the protocol's (a redirect, a 204): no refusal of the item to pass on.
+            raise _Failed("bad_answer", f"status {r.status_code}: {r.text[:200]}")
         raise client_error(r.status_code, r.text, media)
 
     async def encode(self, media: Media) -> Encoded | None:
@@ -114,13 +120,11 @@ class EncoderPool:
     async def _encode_on(self, url: str, media: Media) -> Encoded | None:
         r = await self._post(url, "/v1/cache/encode", {"content": [media.raw]}, media)
         try:
-            (facts,) = r.json()["items"]
-            facts["hash"], facts["grid_thw"]  # noqa: B018 - the fields the rewrite needs
-        except (ValueError, KeyError, TypeError) as e:
-            raise _Failed("bad_answer", f"{type(e).__name__}: {e}") from None
+            facts = encode_facts(r.content, media.modality)
+        except BadEncoderAnswer as e:
+            raise _Failed("bad_answer", str(e)) from None
         self.metrics.items_routed.labels(url).inc()
-        # NOTE: a service without "held" in its answer pins every item it encodes.
-        if not facts.get("held", True):
+        if not facts["held"]:
             self.metrics.items_fallback.labels("not_held").inc()
             return None
         if self.config.mode == "connector":
@@ -133,9 +137,10 @@ class EncoderPool:
             log.warning("encoder %s lost %s before its load: %s", url, facts["hash"], e.message)
             self.metrics.items_fallback.labels("not_held").inc()
             return None
-        from safetensors.torch import load
-
-        return Encoded(facts, load(r.content)[facts["hash"]])
+        try:
+            return Encoded(facts, loaded_rows(r.content, facts, self.config.dtype))
+        except BadEncoderAnswer as e:
+            raise _Failed("bad_answer", str(e)) from None
 
     async def _probe(self, url: str) -> None:
         try:

@@ -39,7 +39,7 @@ class ProxyMetrics(Staged):
         )
         self.encoder_failures = Counter(
             "mmferry_proxy_encoder_failures",
-            "encoder calls that failed (refused, timed out, 5xx)",
+            "encoder calls that failed (refused, timed out, 5xx, an answer not the protocol's)",
             ["encoder", "reason"],
             registry=r,
         )

@@ -47,6 +47,17 @@ def image_part(pixels: np.ndarray) -> dict:
     return {"type": "image_url", "image_url": {"url": data_url(pixels)}}
 
 
+def first_choice(urls: list[str], part: dict) -> str:
+    """The encoder the proxy's routing ranks first for `part` among `urls`."""
+    from mmferry.proxy.media import find_media
+    from mmferry.proxy.router import Router
+    from mmferry.server.limits import Limits
+    from mmferry.server.sources import source_policy
+
+    body = {"messages": [{"role": "user", "content": [part]}]}
+    return Router(urls).choices(find_media(body, source_policy(Limits()))[0].key)[0]
+
+
 @dataclass
 class Answer:
     status: int

@@ -16,9 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.engines.lying_service import LyingService, js, raw, rows
 from tests.engines.service import free_port
 from tests.engines.tiny_vlm import gradient, image
-from tests.proxy.conftest import Answer, chat, chat_body, image_part
+from tests.proxy.conftest import Answer, chat, chat_body, first_choice, image_part
 from tests.proxy.procs import proxy, scrape
 
 pytestmark = pytest.mark.slow
@@ -163,6 +164,43 @@ def test_encoder_refusals_are_the_clients_answer(stack, proxies):
     r = chat(proxies["embeds"].url, stack.model, [remote, TEXT])
     assert r.status == 403, r.text
     assert "allowed hosts" in r.text
+
+
+@only_qwen2_5
+def test_a_lying_encoder_is_passed_over(stack):
+    """An encoder that answers the encode well and the load with truncated safetensors: the
+    item's next encoder serves it, or with none left vLLM reads its pixels; the client gets
+    vLLM's own answer either way (tests/proxy/test_answers.py has every other lie)."""
+    import torch
+
+    with LyingService() as liar:
+        facts = {"modality": "image", "hash": "h0", "grid_thw": [1, 4, 6], "num_tokens": 6}
+        liar.answer("encode", js({"items": [{**facts, "timestamps": None, "held": True}]}))
+        body = rows({"h0": torch.zeros(6, 64)}).body
+        liar.answer("load", raw(body[: len(body) // 2], "application/vnd.mmferry.safetensors"))
+        urls = [liar.url, stack.encoders[0].url]
+        f = stack.factor
+        candidates = (image_part(image(2 * f, 3 * f, 400 + s)) for s in range(64))
+        part = next(p for p in candidates if first_choice(urls, p) == liar.url)
+        content = [part, TEXT]
+        want = reference(stack, content)
+        fronts = []
+        try:
+            for encoders in (urls, urls[:1]):
+                fronts.append(proxy(stack.vllm.url, encoders, "embeds").start())
+                asked = len(liar.calls("load"))
+                chat(fronts[-1].url, stack.model, content).same_as(want)
+                assert len(liar.calls("load")) == asked + 1
+            bad = [
+                scrape(p.url, "mmferry_proxy_encoder_failures_total", reason="bad_answer")
+                for p in fronts
+            ]
+            assert bad == [1, 1]
+            to_pixels = [scrape(p.url, "mmferry_proxy_items_fallback_total") for p in fronts]
+            assert to_pixels == [0, 1]
+        finally:
+            for p in fronts:
+                p.stop()
 
 
 @only_qwen2_5

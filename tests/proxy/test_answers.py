@@ -1,0 +1,242 @@
+"""`mmferry proxy` in embeds mode trusts nothing an encoder answers: a lying or broken encoder (a
+real HTTP server answering what each case scripts: HTML, malformed or truncated safetensors,
+other hashes, facts that do not fit the part, rows of the wrong shape or dtype) fails that
+encoder for the item, which goes to its next choice or, with none left, to the engine as its
+pixels. The engine here is a real HTTP server that records what the proxy forwards, so each
+case shows exactly what would have reached vLLM; tests/proxy/test_epd.py shows one case through
+the real vLLM."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import httpx
+import pytest
+import torch
+
+from tests.engines.lying_service import Answer, LyingService, html, js, raw, rows
+from tests.engines.tiny_vlm import build_checkpoint, image
+from tests.proxy.conftest import first_choice, image_part
+from tests.proxy.procs import Proc, encoder, proxy, scrape
+
+TEXT = {"type": "text", "text": "describe the image"}
+HASH = "h0"
+FACTS = {
+    "modality": "image",
+    "hash": HASH,
+    "grid_thw": [1, 4, 6],
+    "num_tokens": 6,  # 1 * 4 * 6 / 2**2
+    "timestamps": None,
+    "second_per_grid_t": None,
+    "held": True,
+}
+ROWS = torch.randn(6, 12, generator=torch.Generator().manual_seed(0))
+ENGINE_ANSWER = {"id": "chatcmpl-recorded", "choices": []}
+
+
+def facts(**change) -> Answer:
+    """The encode answer with `change` applied to the item's facts."""
+    return js({"items": [{**FACTS, **change}]})
+
+
+def without(field: str) -> Answer:
+    return js({"items": [{k: v for k, v in FACTS.items() if k != field}]})
+
+
+def safetensors(tensors: dict[str, torch.Tensor]) -> bytes:
+    return rows(tensors).body
+
+
+# Every form of a bad /v1/cache/encode answer for one image part.
+BAD_ENCODES = {
+    "html_200": html(),
+    "not_json": raw("items: h0"),
+    "empty_body": raw(""),
+    "duplicate_keys": raw('{"items": [], "items": ' + json.dumps([FACTS]) + "}"),
+    "timestamps_nan": raw(json.dumps({"items": [FACTS]}).replace("null", "[NaN]", 1)),
+    "no_items": js({"items": []}),
+    "two_items": js({"items": [FACTS, {**FACTS, "hash": "h1"}]}),
+    "items_not_a_list": js({"items": FACTS}),
+    "item_not_an_object": js({"items": [HASH]}),
+    "json_list": js([FACTS]),
+    "no_hash": without("hash"),
+    "hash_empty": facts(hash=""),
+    "hash_an_int": facts(hash=5),
+    "hash_too_long": facts(hash="h" * 129),
+    "hash_with_a_newline": facts(hash="h0\n"),
+    "no_grid": without("grid_thw"),
+    "grid_of_two": facts(grid_thw=[4, 6], num_tokens=6),
+    "grid_of_four": facts(grid_thw=[1, 1, 4, 6]),
+    "grid_with_a_zero": facts(grid_thw=[1, 0, 6]),
+    "grid_negative": facts(grid_thw=[1, -4, -6]),
+    "grid_of_floats": facts(grid_thw=[1.0, 4.0, 6.0]),
+    "grid_of_bools": facts(grid_thw=[True, 4, 6]),
+    "grid_a_string": facts(grid_thw="1x4x6"),
+    "modality_video_for_an_image": facts(modality="video"),
+    "no_modality": without("modality"),
+    "no_num_tokens": without("num_tokens"),
+    "num_tokens_a_string": facts(num_tokens="6"),
+    "num_tokens_a_float": facts(num_tokens=6.0),
+    "num_tokens_a_bool": facts(num_tokens=True),
+    "num_tokens_zero": facts(num_tokens=0),
+    "num_tokens_not_the_grids": facts(num_tokens=7),
+    "held_a_string": facts(held="yes"),
+    "timestamps_for_two_patches": facts(timestamps=[0.0, 1.0]),
+    "timestamps_not_numbers": facts(timestamps=["0"]),
+    "status_204": Answer(204, b""),
+    "status_302": Answer(302, b""),
+}
+# Every form of a bad /v1/cache/load answer after good facts.
+BAD_LOADS = {
+    "html_200": html(),
+    "json_200": js({"items": {HASH: {}}}),
+    "not_safetensors": raw(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage", "application/x"),
+    "empty_body": raw(b"", "application/x"),
+    "truncated": raw(safetensors({HASH: ROWS})[:-8], "application/x"),
+    "header_past_the_body": raw(b"\xff" * 8 + b"{}", "application/x"),
+    "other_hash": rows({"h1": ROWS}),
+    "another_hash_beside_it": rows({HASH: ROWS, "h1": ROWS.clone()}),
+    "no_tensors": rows({}),
+    "rows_3d": rows({HASH: ROWS[None]}),
+    "rows_1d": rows({HASH: ROWS.flatten()}),
+    "rows_too_few": rows({HASH: ROWS[:5]}),
+    "rows_too_many": rows({HASH: torch.cat([ROWS, ROWS[:1]])}),
+    "rows_of_no_width": rows({HASH: torch.zeros(6, 0)}),
+    "rows_of_ints": rows({HASH: ROWS.to(torch.int64)}),
+    "rows_float16_for_float32": rows({HASH: ROWS.half()}),
+    "rows_bfloat16_for_float32": rows({HASH: ROWS.bfloat16()}),
+    "status_204": Answer(204, b""),
+}
+
+
+class _Engine(BaseHTTPRequestHandler):
+    """The engine's place: keeps each chat body the proxy forwards, answers ENGINE_ANSWER."""
+
+    seen: ClassVar[list[dict]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+        self.seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        answer = json.dumps(ENGINE_ANSWER).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def liar() -> Iterator[LyingService]:
+    with LyingService() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def alone(engine, liar) -> Iterator[Proc]:
+    """An embeds-mode proxy whose one encoder is the liar."""
+    p = proxy(engine, [liar.url], "embeds").start()
+    yield p
+    p.stop()
+
+
+def forwarded(front: Proc, part: dict) -> dict:
+    """The one media part the engine received for a chat request with `part` in it; the
+    client must have had the engine's own answer."""
+    _Engine.seen.clear()
+    body = {"model": "m", "messages": [{"role": "user", "content": [part, TEXT]}]}
+    r = httpx.post(f"{front.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json() == ENGINE_ANSWER
+    (sent,) = _Engine.seen
+    content = sent["messages"][0]["content"]
+    assert content[1] == TEXT
+    return content[0]
+
+
+def sent_rows(part: dict) -> torch.Tensor:
+    payload = base64.b64decode(part["image_embeds"]["image_embeds"])
+    return torch.load(io.BytesIO(payload), weights_only=True)
+
+
+def failures(front: Proc, url: str) -> tuple[float, float]:
+    return (
+        scrape(front.url, "mmferry_proxy_encoder_failures_total", encoder=url, reason="bad_answer"),
+        scrape(front.url, "mmferry_proxy_items_fallback_total", reason="no_encoder"),
+    )
+
+
+def test_an_honest_answer_is_forwarded_as_its_rows(alone, liar):
+    # The control: the same harness sees rows when the answer is the protocol's.
+    liar.answer("encode", facts())
+    liar.answer("load", rows({HASH: ROWS}))
+    part = forwarded(alone, image_part(image(28, 28, 0)))
+    assert part["type"] == "image_embeds" and part["uuid"] == HASH
+    assert part["image_embeds"]["image_grid_thw"] == [1, 4, 6]
+    assert torch.equal(sent_rows(part), ROWS)
+
+
+def _goes_as_pixels(alone: Proc, liar: LyingService) -> None:
+    before = failures(alone, liar.url)
+    client = image_part(image(28, 28, 0))
+    assert forwarded(alone, client) == client  # the client's own part: vLLM reads the pixels
+    after = failures(alone, liar.url)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+
+
+@pytest.mark.parametrize("case", BAD_ENCODES)
+def test_a_bad_encode_answer_sends_the_pixels(alone, liar, case):
+    liar.answer("encode", BAD_ENCODES[case])
+    liar.answer("load", rows({HASH: ROWS}))
+    _goes_as_pixels(alone, liar)
+
+
+@pytest.mark.parametrize("case", BAD_LOADS)
+def test_a_bad_load_answer_sends_the_pixels(alone, liar, case):
+    liar.answer("encode", facts())
+    liar.answer("load", BAD_LOADS[case])
+    _goes_as_pixels(alone, liar)
+
+
+def test_a_bad_answer_goes_to_the_items_next_encoder(engine, liar, tmp_path):
+    """The liar first among two: its bad rows are passed over and the real encoder's go."""
+    model = build_checkpoint("qwen2_5_vl", tmp_path / "model")
+    real = encoder(model).start()
+    front = None
+    try:
+        urls = [liar.url, real.url]
+        # An image whose key ranks the liar first (about every other one does).
+        candidates = (image_part(image(56, 84, s)) for s in range(64))
+        client = next(p for p in candidates if first_choice(urls, p) == liar.url)
+        liar.answer("encode", facts(grid_thw=[1, 4, 6]))
+        liar.answer("load", rows({HASH: ROWS[:5]}))
+        front = proxy(engine, urls, "embeds").start()
+        encoded = scrape(real.url, "mmferry_encoded_items_total")
+        asked = len(liar.calls("load"))
+        part = forwarded(front, client)
+        assert len(liar.calls("load")) == asked + 1  # the liar was asked first, and answered
+        assert scrape(real.url, "mmferry_encoded_items_total") == encoded + 1
+        assert part["type"] == "image_embeds" and part["uuid"] != HASH
+        assert part["image_embeds"]["image_grid_thw"] == [1, 4, 6]  # 56 x 84 in 14-px patches
+        assert sent_rows(part).shape == (6, 64)  # the tiny checkpoint's width, not the liar's
+        assert failures(front, liar.url)[0] == 1
+    finally:
+        if front is not None:
+            front.stop()
+        real.stop()
