@@ -9,8 +9,10 @@ import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
+import av
 import httpx
 import numpy as np
 import pytest
@@ -45,6 +47,31 @@ def data_url(pixels: np.ndarray) -> str:
 
 def image_part(pixels: np.ndarray) -> dict:
     return {"type": "image_url", "image_url": {"url": data_url(pixels)}}
+
+
+def mp4(frames: np.ndarray, fps: int) -> bytes:
+    """[n, H, W, 3] uint8 frames as a lossless H.264 RGB MP4 at `fps` (every frame decodes to
+    the very pixels given, whichever FFmpeg-based decoder reads it: vLLM's OpenCV, mmferry's
+    PyAV)."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("libx264rgb", rate=fps)
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "rgb24"
+        stream.options = {"qp": "0", "preset": "ultrafast"}
+        for i, f in enumerate(frames):
+            frame = av.VideoFrame.from_ndarray(f, format="rgb24")
+            frame.pts, frame.time_base = i, Fraction(1, fps)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+def video_part(frames: np.ndarray, fps: int) -> dict:
+    url = "data:video/mp4;base64," + base64.b64encode(mp4(frames, fps)).decode()
+    return {"type": "video_url", "video_url": {"url": url}}
 
 
 def first_choice(urls: list[str], part: dict) -> str:

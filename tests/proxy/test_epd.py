@@ -18,8 +18,8 @@ import pytest
 
 from tests.engines.lying_service import LyingService, js, raw, rows
 from tests.engines.service import free_port
-from tests.engines.tiny_vlm import gradient, image
-from tests.proxy.conftest import Answer, chat, chat_body, first_choice, image_part
+from tests.engines.tiny_vlm import VIDEO_FPS, gradient, image, video
+from tests.proxy.conftest import Answer, chat, chat_body, first_choice, image_part, video_part
 from tests.proxy.procs import proxy, scrape
 
 pytestmark = pytest.mark.slow
@@ -65,9 +65,14 @@ def test_same_tokens_as_vllm_given_the_pixels(stack, proxies, mode):
     a, b = media(stack)
     url = proxies[mode].url
     before = scrape(url, "mmferry_proxy_items_fallback_total")
+    # An MP4 both read whole and as they are: NUM_FRAMES frames at VIDEO_FPS (vLLM's loader and
+    # mmferry both keep every frame at that rate), lossless, each side a multiple of the
+    # resize factor within the video budget (no resampling on either side).
+    clip = video_part(video(2 * stack.factor, 2 * stack.factor), int(VIDEO_FPS))
     for content in (
         [image_part(a), image_part(b), TEXT],  # two images
         [image_part(a), TEXT, image_part(a)],  # an image twice
+        [image_part(b), clip, TEXT],  # an image and a video
     ):
         want = reference(stack, content)
         chat(url, stack.model, content).same_as(want)
