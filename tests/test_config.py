@@ -4,11 +4,10 @@ import json
 
 import pytest
 import torch
+import transformers
 
 import mmferry as mf
 from mmferry.models import PRESETS, SUPPORTED_MODEL_TYPES, load_model_config
-
-transformers = pytest.importorskip("transformers")
 
 
 def _save(cfg, tmp_path):

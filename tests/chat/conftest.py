@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytest.importorskip("transformers")
-if importlib.util.find_spec("qwen_vl_utils") is None:  # it imports torchvision: find it only
-    pytest.skip("qwen-vl-utils is not installed", allow_module_level=True)
-
-from mmferry.testing.checkpoints import hf_config  # noqa: E402
-from tests.chat.oracle import build_tokenizer, references, write_json  # noqa: E402
+from mmferry.testing.checkpoints import hf_config
+from tests.chat.oracle import build_tokenizer, references, write_json
 
 # The Qwen2-VL chat template as the checkpoints ship it.
 QWEN2_TEMPLATE = (

@@ -10,8 +10,6 @@ import pytest
 # The tiny tokenizer and the transformers processor builders live with the prompt tests.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "prompt"))
 
-pytest.importorskip("transformers")
-
 from e2e_helpers import Tiny, build_tiny  # noqa: E402
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("transformers")
-
-from mmferry.testing.checkpoints import save_tiny_checkpoint  # noqa: E402
+from mmferry.testing.checkpoints import save_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

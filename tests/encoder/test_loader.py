@@ -14,8 +14,6 @@ from mmferry.items import MultimodalItem
 from mmferry.models import spec_for
 from mmferry.testing.checkpoints import save_tiny_checkpoint
 
-transformers = pytest.importorskip("transformers")
-
 GRIDS = [(1, 4, 6), (1, 8, 8), (2, 4, 4)]
 
 

@@ -12,11 +12,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-
-import mmferry as mf  # noqa: E402
-from tests.engines.tiny_vlm import build_checkpoint  # noqa: E402
-from tests.engines.vllm_harness import VLLM_PYTHON, VllmEngine  # noqa: E402
+import mmferry as mf
+from tests.engines.tiny_vlm import build_checkpoint
+from tests.engines.vllm_harness import VLLM_PYTHON, VllmEngine
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 

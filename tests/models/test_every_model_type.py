@@ -9,10 +9,7 @@ import torch
 from mmferry.encoder.model import VisionEncoder
 from mmferry.items import MultimodalItem
 from mmferry.models import load_model_config, spec_for, supported_model_types
-
-pytest.importorskip("transformers")
-
-from mmferry.testing.checkpoints import HF_CLASSES, save_tiny_checkpoint  # noqa: E402
+from mmferry.testing.checkpoints import HF_CLASSES, save_tiny_checkpoint
 
 # Three images of different sizes and one video of three temporal patches.
 GRIDS = [(1, 4, 6), (1, 8, 8), (1, 6, 10), (3, 4, 4)]

@@ -4,6 +4,7 @@ its `get_rope_index`."""
 
 from __future__ import annotations
 
+import av
 import numpy as np
 import pytest
 import torch
@@ -11,15 +12,11 @@ from prompt_helpers import TOK, hf_processor, hf_timestamps
 
 import mmferry
 
-pytest.importorskip("av")
-
 TOTAL, RATE, HEIGHT, WIDTH = 30, 10, 64, 96
 
 
 @pytest.fixture(scope="module")
 def video_path(tmp_path_factory):
-    import av
-
     path = tmp_path_factory.mktemp("video") / "clip.mp4"
     rng = np.random.default_rng(0)
     with av.open(str(path), "w") as container:

@@ -18,12 +18,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-pytest.importorskip("transformers")
-
-import mmferry as mf  # noqa: E402
-from tests.engines.conftest import needs_vllm  # noqa: E402
-from tests.engines.tiny_vlm import build_checkpoint  # noqa: E402
-from tests.proxy.procs import Proc, VllmServer, encoder  # noqa: E402
+import mmferry as mf
+from tests.engines.conftest import needs_vllm
+from tests.engines.tiny_vlm import build_checkpoint
+from tests.proxy.procs import Proc, VllmServer, encoder
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 NEW_TOKENS = 8
