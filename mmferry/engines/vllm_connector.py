@@ -5,19 +5,24 @@
         "ec_connector_extra_config": {"url": "http://127.0.0.1:8000"}}'
 
 A request names each item by its mmferry hash (the uuid; vLLM keeps it verbatim as the item's
-identifier) and may carry only its grid. When vLLM's scheduler meets an item it asks the
-service (`/v1/cache/lookup`), which pins what it holds for this connector (`X-Mmferry-Caller`,
-one random id per connector, sent by scheduler and workers) and says for how long; the worker
+identifier), or `<hash>@<routing key>` as `mmferry proxy` does, and may carry only its grid.
+When vLLM's scheduler meets an item it asks the service (`/v1/cache/lookup`), which pins what
+it holds for this connector (`X-Mmferry-Caller`, one random id per connector, sent by scheduler
+and workers) and says for how long; the worker
 then loads all of a step's items in one request (`/v1/cache/load`: shared-memory handles when
 the service is on this host, safetensors otherwise, and safetensors again when a handle does not
 open), checks each item's rows against what the model takes (`[planned tokens, hidden * (1 +
 deepstack levels)]` in the model's dtype) and copies them once onto its device. An item the
 service lacks, and any lookup that fails (service down or restarting, late, or answering
 something else than the protocol), is reported absent, and vLLM encodes that item itself, so
-such a request must carry pixels too. A load the scheduler planned that cannot be had fails the
+such a request must carry pixels too. A request that carries only an item's grid (no pixels
+vLLM could encode) and whose item no service holds is failed on its own before it is scheduled
+(vLLM's encoder would otherwise meet an item it has nothing to encode from, and stop the engine);
+`mmferry proxy` then sends it again with pixels. A load the scheduler planned that cannot be had
+from the service that answered present is asked of the item's other services, then fails the
 step naming the items: vLLM (0.32) gives a consumer no way to have them encoded at that point.
 Extra config: `url` (or `urls`, several services, as `mmferry proxy --encoder` lists them: each
-item is asked for in the order rendezvous hashing of its hash ranks them, `mmferry.proxy`'s
+item is asked for in the order rendezvous hashing of its routing key ranks them, `mmferry.proxy`'s
 `Router`, the next one when one is down or lacks it), optional `api_key` (or MMFERRY_API_KEY),
 `transport` ("auto" | "shm" | "http" | "mooncake"), `timeout_s` (a worker's load, 30),
 `lookup_timeout_s` (a scheduler's lookup, 1). With "mooncake" (and `store`: the
@@ -32,6 +37,7 @@ vLLM installed fails with a message naming what to install.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -55,7 +61,11 @@ from mmferry.engines.cache_client import CacheClient, RowSpec, fetch_rows  # noq
 from mmferry.engines.presence import Presence  # noqa: E402
 from mmferry.proxy.router import Router  # noqa: E402
 
+log = logging.getLogger("mmferry.connector")
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+# How long a worker keeps asking a service that does not answer before it asks the item's next
+# service: a service that restarted has lost its rows, so waiting longer only stalls the step.
+UNREACHABLE_S = 2.0
 EXTRA_KEYS = ("url", "urls", "api_key", "transport", "timeout_s", "lookup_timeout_s")
 STORE_KEYS = ("store", "store_model", "store_dtype", "store_lease_s")
 
@@ -180,23 +190,50 @@ class MmferryECConnector(ECConnectorBase):
             self._store = store_reader(extra, vllm_config.model_config)
             self._store_presence = Presence(self._store)
         self._to_load: dict[str, int] = {}
+        self._unavailable: set[str] = set()  # requests to fail: an item nobody can supply
 
     # -- scheduler side -------------------------------------------------------------------
 
+    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+        """Called before vLLM schedules `request`: False (and the request failed at the end of
+        the step) when an item it still needs carries no pixels and no service holds it."""
+        for feature in request.mm_features:
+            place = feature.mm_position
+            if place.offset + place.length <= num_computed_tokens or encodable(feature):
+                continue
+            if self.has_cache_item(feature.identifier):
+                continue
+            if request.request_id not in self._unavailable:
+                log.warning(
+                    "request %s: item %s carries no pixels and no mmferry service holds it; "
+                    "the request fails (send it again with pixels)",
+                    request.request_id,
+                    feature.identifier,
+                )
+            self._unavailable.add(request.request_id)
+            return False
+        return True
+
+    def take_unavailable_requests(self) -> set[str]:
+        failed, self._unavailable = self._unavailable, set()
+        return failed
+
     def has_cache_item(self, identifier: str) -> bool:
-        if self._store_presence is not None and self._store_presence.has(identifier):
+        item, key = split_identifier(identifier)
+        if self._store_presence is not None and self._store_presence.has(item):
             return True
-        for url in self._router.choices(identifier):
-            if self._presences[url].has(identifier):
+        for url in self._router.choices(key):
+            if self._presences[url].has(item):
                 self._owners[identifier] = url
                 return True
         return False
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         identifier = request.mm_features[index].identifier
-        stored = self._store_presence is not None and self._store_presence.claim(identifier)
+        item, _ = split_identifier(identifier)
+        stored = self._store_presence is not None and self._store_presence.claim(item)
         url = self._owners.pop(identifier, None)
-        if url is not None and self._presences[url].claim(identifier):
+        if url is not None and self._presences[url].claim(item):
             self._planned[identifier] = url
             stored = True
         if stored:
@@ -225,32 +262,89 @@ class MmferryECConnector(ECConnectorBase):
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, MmferryECMetadata)
-        need = {h: n for h, n in meta.items.items() if h not in encoder_cache}
+        # The services and the store know items by hash; two identifiers of one item (sent
+        # through two routes) are loaded once.
+        named: dict[str, list[str]] = {}
+        need: dict[str, int] = {}
+        owners: dict[str, str] = {}
+        keys: dict[str, str] = {}
+        for identifier, n in meta.items.items():
+            if identifier in encoder_cache:
+                continue
+            item, key = split_identifier(identifier)
+            named.setdefault(item, []).append(identifier)
+            need[item], keys[item] = n, key
+            if identifier in meta.owners:
+                owners[item] = meta.owners[identifier]
         if not need:
             return
         device = self._device()
         if self._store is not None:
             # Straight from the store onto the device; what it lacks comes from the service.
             found = self._store.load(need, device, self._rows.dtype)
-            encoder_cache.update(found)
+            for item, rows in found.items():
+                encoder_cache.update(dict.fromkeys(named[item], rows))
             need = {h: n for h, n in need.items() if h not in found}
             if not need:
                 return
         by_url: dict[str, dict[str, int]] = {}
         for h, n in need.items():
-            by_url.setdefault(meta.owners.get(h, self._router.urls[0]), {})[h] = n
+            by_url.setdefault(owners.get(h, self._router.urls[0]), {})[h] = n
+        failed: dict[str, str] = {}
         for url, items in by_url.items():
-            client = self._clients[url]
-            client.set_caller(meta.caller)
-            # NOTE: vLLM has planned these items as loaded and will not encode them: rows that
-            # cannot be had (or do not fit) fail the step, naming them, never enter the cache.
-            rows = fetch_rows(client, items, self._rows, self._timeout_s)
+            rows = self._fetch(url, items, keys, meta.caller, failed)
             for h, src in rows.items():
                 # The one copy: out of the shared-memory view (or parsed bytes) onto the
                 # device; the view, and with it the lease, dies here.
                 dst = torch.empty(src.shape, dtype=src.dtype, device=device)
                 dst.copy_(src, non_blocking=device.type == "cuda")
-                encoder_cache[h] = dst
+                encoder_cache.update(dict.fromkeys(named[h], dst))
+        if failed:
+            # NOTE: vLLM has planned these items as loaded and will not encode them: rows that
+            # cannot be had (or do not fit) fail the step, naming them, never enter the cache.
+            why = "; ".join(f"{h}: {e}" for h, e in failed.items())
+            raise RuntimeError(f"mmferry could not load the planned items {list(failed)}: {why}")
+
+    def _fetch(
+        self,
+        url: str,
+        items: dict[str, int],
+        keys: dict[str, str],
+        caller: str,
+        failed: dict[str, str],
+    ) -> dict[str, torch.Tensor]:
+        """`items`' checked rows from `url`, the service that answered present; what it cannot
+        give is asked of each item's other services in routing order (an item encoded again
+        elsewhere after its first encoder died); what none gives goes into `failed`."""
+        several = len(self._clients) > 1
+        within = min(self._timeout_s, UNREACHABLE_S) if several else self._timeout_s
+        got: dict[str, torch.Tensor] = {}
+        try:
+            got.update(self._fetch_from(url, items, caller, within))
+        except RuntimeError as e:
+            log.warning("mmferry service %s could not give %s: %s", url, list(items), e)
+            if not several:
+                raise
+            for h, n in items.items():
+                why = [f"{url}: {e}"]
+                for other in self._router.choices(keys[h]):
+                    if other == url:
+                        continue
+                    try:
+                        got.update(self._fetch_from(other, {h: n}, caller, within))
+                        break
+                    except RuntimeError as again:
+                        why.append(f"{other}: {again}")
+                else:
+                    failed[h] = "; ".join(why)
+        return got
+
+    def _fetch_from(
+        self, url: str, items: dict[str, int], caller: str, within_s: float
+    ) -> dict[str, torch.Tensor]:
+        client = self._clients[url]
+        client.set_caller(caller)
+        return fetch_rows(client, items, self._rows, within_s)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kw) -> None:
         return None  # a consumer: the service is the producer
@@ -260,6 +354,23 @@ class MmferryECConnector(ECConnectorBase):
             client.close()
         if self._store is not None:
             self._store.close()
+
+
+def split_identifier(identifier: str) -> tuple[str, str]:
+    """(the item's hash, its routing key). `mmferry proxy` names an item `<hash>@<key>`, the
+    key it ranked the encoders by (the item's hash is known only once an encoder has read it),
+    so the connector asks the encoders in the proxy's order; a bare hash is its own key."""
+    item, at, key = identifier.partition("@")
+    return (item, key) if at and item and key else (identifier, identifier)
+
+
+def encodable(feature: Any) -> bool:
+    """Whether vLLM could encode the item itself: it carries pixels or rows, not only a grid
+    (`data` is None only for an item vLLM's processor cache holds, pixels included)."""
+    data = feature.data
+    if data is None:
+        return True
+    return any(k.startswith("pixel_values") or k.endswith("_embeds") for k in data)
 
 
 def _urls(extra: dict[str, Any]) -> list[str]:

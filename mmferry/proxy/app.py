@@ -18,14 +18,15 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from mmferry.proxy.config import ProxyConfig
 from mmferry.proxy.encoders import EncoderPool
-from mmferry.proxy.forward import Upstream, relay, response_headers
-from mmferry.proxy.media import find_media, rewrite
+from mmferry.proxy.forward import Answer, Upstream, relay, response_headers
+from mmferry.proxy.media import by_reference, find_media, rewrite
 from mmferry.proxy.metrics import ProxyMetrics
 from mmferry.server.app import import_fastapi
 from mmferry.server.bodies import check_caller, linger, read_body
@@ -36,6 +37,14 @@ from mmferry.server.sources import source_policy
 log = logging.getLogger("mmferry.proxy")
 CHAT = "/v1/chat/completions"
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+
+
+@dataclass(frozen=True)
+class Retry:
+    """A chat request's second form: its `items` sent by reference, as pixels in `body()`."""
+
+    items: int
+    body: Callable[[], bytes]
 
 
 class ProxyState:
@@ -124,9 +133,11 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         state.in_flight += 1
         metrics.in_flight.set(state.in_flight)
 
-    async def forward(request: Any, raw: bytes, t0: float) -> Any:
+    async def forward(request: Any, raw: bytes, t0: float, again: Retry | None = None) -> Any:
         """The engine's answer to `raw`, streamed; the request is in flight (admit) until the
-        stream ends. Raises what the engine's connection raises, the request released."""
+        stream ends. Raises what the engine's connection raises, the request released. With
+        `again`, an answer that failed before any output is dropped and `again`'s body sent
+        instead (its items as pixels)."""
         finished = False
 
         async def finish() -> None:
@@ -136,13 +147,34 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
                 state.in_flight -= 1
                 metrics.in_flight.set(state.in_flight)
 
-        try:
-            upstream = await state.upstream.send(
-                request.method, request.url.path, request.url.query, request.headers, raw
+        async def send(body: bytes) -> Answer:
+            return Answer(
+                await state.upstream.send(
+                    request.method, request.url.path, request.url.query, request.headers, body
+                )
             )
+
+        upstream: Answer | None = None
+        try:
+            upstream = await send(raw)
+            if again is not None and await upstream.failed_before_output():
+                # NOTE: an item sent by reference that the engine's connector could not find
+                # (its encoder died or dropped it): the engine encodes it from the pixels.
+                await upstream.aclose()
+                log.warning(
+                    "the engine failed a request whose items went by reference; "
+                    "sending it again with pixels"
+                )
+                metrics.items_fallback.labels("engine_lacked").inc(again.items)
+                upstream = None
+                upstream = await send(again.body())
         except BaseException:
+            if upstream is not None:
+                with contextlib.suppress(Exception):
+                    await upstream.aclose()
             await finish()
             raise
+        assert upstream is not None
 
         async def done() -> None:
             with contextlib.suppress(Exception):
@@ -152,8 +184,8 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         body = relay(upstream, t0, metrics.ttft_seconds.observe, done)
         return StreamingResponse(
             body,
-            status_code=upstream.status_code,
-            headers=response_headers(upstream),
+            status_code=upstream.response.status_code,
+            headers=response_headers(upstream.response),
             # NOTE: also when the stream never started (the client left first).
             background=BackgroundTask(done),
         )
@@ -164,12 +196,12 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         # NOTE: no await from intake's count (serving) to admit's (the drain's invariant).
         admit()
         try:
-            raw = await _encoded_body(body)
+            raw, again = await _encoded_body(body)
         except BaseException:
             state.in_flight -= 1
             metrics.in_flight.set(state.in_flight)
             raise
-        return await forward(request, raw, t0)
+        return await forward(request, raw, t0, again)
 
     async def other(request: Any) -> Any:
         """Any other route or method: its body (if any) passed on byte for byte, whatever its
@@ -206,13 +238,22 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         intake.count(request, answer.status_code)
         return answer
 
-    async def _encoded_body(body: Any) -> bytes:
-        """The chat body with its media encoded and rewritten; as it came when it has none."""
+    async def _encoded_body(body: Any) -> tuple[bytes, Retry | None]:
+        """The chat body with its media encoded and rewritten (as it came when it has none),
+        and, when some items go by reference, how to send it with pixels instead."""
         media = find_media(body, state.policy)
-        if media:
-            answers = await encode_all(state, media)
-            body = rewrite(body, media, answers, config.mode)
-        return json.dumps(body).encode()
+        if not media:
+            return json.dumps(body).encode(), None
+        answers = await encode_all(state, media)
+        raw = json.dumps(rewrite(body, media, answers, config.mode)).encode()
+        n = by_reference(media, answers, config.mode)
+        if not n:
+            return raw, None
+
+        def pixels() -> bytes:
+            return json.dumps(rewrite(body, media, answers, config.mode, pixels_only=True)).encode()
+
+        return raw, Retry(n, pixels)
 
     # NOTE: as in server/app.py, FastAPI needs the real class to hand the raw request over.
     other.__annotations__["request"] = fastapi.Request

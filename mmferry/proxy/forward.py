@@ -8,6 +8,7 @@ An engine that cannot be reached is a 502 naming why.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -83,14 +84,88 @@ def response_headers(upstream: Any) -> dict[str, str]:
     return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
 
 
+# How much of a stream is read, at most, while looking for its first output.
+PEEK_BYTES = 1 << 16
+
+
+class Answer:
+    """The engine's response and its body's chunks, some of them perhaps read already."""
+
+    def __init__(self, response: Any) -> None:
+        self.response = response
+        self.chunks = response.aiter_raw()
+        self.head: list[bytes] = []
+
+    async def failed_before_output(self) -> bool:
+        """Whether the engine failed the request before generating anything: a 5xx, or a
+        stream whose first event with content is an error (vLLM fails a request whose items
+        its connector cannot supply that way). What was read is kept for `relay`."""
+        status = self.response.status_code
+        if status >= 500:
+            return True
+        kind = self.response.headers.get("content-type", "")
+        if status != 200 or not kind.startswith("text/event-stream"):
+            return False
+        buf = b""
+        async for chunk in self.chunks:
+            self.head.append(chunk)
+            buf += chunk
+            *events, buf = buf.replace(b"\r\n", b"\n").split(b"\n\n")
+            for event in events:
+                verdict = event_verdict(event)
+                if verdict is not None:
+                    return verdict
+            if sum(map(len, self.head)) > PEEK_BYTES:
+                return False
+        return False
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+
+def event_verdict(event: bytes) -> bool | None:
+    """True: an error; False: output (or the stream's end, or not JSON); None: a preamble
+    (such as the assistant's role alone), look further."""
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return False
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            return False
+        if not isinstance(doc, dict):
+            return False
+        if "error" in doc:
+            return True
+        for choice in doc.get("choices") or []:
+            if not isinstance(choice, dict):
+                return False
+            delta = choice.get("delta") or {}
+            if choice.get("finish_reason") or choice.get("logprobs") or choice.get("text"):
+                return False
+            if not isinstance(delta, dict) or any(k != "role" and v for k, v in delta.items()):
+                return False
+    return None
+
+
+async def _chunks(answer: Answer) -> AsyncIterator[bytes]:
+    for chunk in answer.head:
+        yield chunk
+    async for chunk in answer.chunks:
+        yield chunk
+
+
 async def relay(
-    upstream: Any, t0: float, on_first: Callable[[float], None], done: Callable[[], Any]
+    answer: Answer, t0: float, on_first: Callable[[float], None], done: Callable[[], Any]
 ) -> AsyncIterator[bytes]:
     """The engine's body chunk by chunk; `on_first(seconds since t0)` at the first chunk;
     `done()` once, however the stream ends (finished, failed, or the client gone)."""
     first = True
     try:
-        async for chunk in upstream.aiter_raw():
+        async for chunk in _chunks(answer):
             if first and chunk:
                 on_first(time.perf_counter() - t0)
                 first = False

@@ -144,14 +144,34 @@ def pixel_part(media: Media, uuid: str | None = None) -> dict[str, Any]:
     return part
 
 
+def by_reference(media: Sequence[Media], answers: Sequence[Encoded | None], mode: str) -> int:
+    """How many items `rewrite` sends as a grid and a uuid alone (connector mode): the engine
+    has no pixels for them, only the connector's load."""
+    if mode != "connector":
+        return 0
+    pixels = {m.modality for m, a in zip(media, answers) if a is None}
+    return sum(m.modality not in pixels for m in media)
+
+
+def uuid(answer: Encoded, media: Media) -> str:
+    """The item's name for the engine's connector: its hash, and the key the proxy routed it
+    by, so the connector asks the encoders in the proxy's order."""
+    return f"{answer.facts['hash']}@{media.key}"
+
+
 def rewrite(
     body: dict[str, Any],
     media: Sequence[Media],
     answers: Sequence[Encoded | None],
     mode: str,
+    *,
+    pixels_only: bool = False,
 ) -> dict[str, Any]:
-    """`body` with each media part replaced for the engine (`answers[i]` None: pixels)."""
-    pixels = {m.modality for m, a in zip(media, answers) if a is None}
+    """`body` with each media part replaced for the engine (`answers[i]` None: pixels). With
+    `pixels_only`, every item as its pixels and no uuid: the engine encodes them all (vLLM
+    keys its processor cache by uuid, so a uuid it saw as a grid alone would bring the grid
+    back)."""
+    pixels = {m.modality for m, a in zip(media, answers) if a is None or pixels_only}
     messages = [dict(m) if isinstance(m, dict) else m for m in body["messages"]]
     for msg in messages:
         if isinstance(msg, dict) and isinstance(msg.get("content"), list):
@@ -160,10 +180,10 @@ def rewrite(
         if m.modality in pixels:
             # NOTE: in connector mode a held item keeps its uuid: the connector loads its rows
             # and the engine only preprocesses (and pins are released by that load).
-            held = answer is not None and mode == "connector"
-            new = pixel_part(m, answer.facts["hash"] if held else None)
+            held = answer is not None and mode == "connector" and not pixels_only
+            new = pixel_part(m, uuid(answer, m) if held else None)
         elif mode == "connector":
-            new = _ref_part(answer.facts, answer.facts["hash"])
+            new = _ref_part(answer.facts, uuid(answer, m))
         else:
             new = _embeds_part(answer.facts, answer.rows)
         messages[m.part.message_index]["content"][m.part.part_index] = new

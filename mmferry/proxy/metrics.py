@@ -51,7 +51,8 @@ class ProxyMetrics(Staged):
         )
         self.items_fallback = Counter(
             "mmferry_proxy_items_fallback",
-            "items sent to the engine as pixels (no encoder could serve them, or not held)",
+            "items sent to the engine as pixels (no encoder could serve them, not held, or "
+            "the engine lacked them when they went by reference)",
             ["reason"],
             registry=r,
         )

@@ -291,6 +291,9 @@ def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
     async def lookup(request: Any, body: Any) -> Any:
         hashes = _hashes(body)
         left = pins.lookup(hashes, caller_of(request))
+        present = sum(s > 0 for s in left)
+        service.metrics.lookups.labels("present").inc(present)
+        service.metrics.lookups.labels("absent").inc(len(left) - present)
         return {"present": [s > 0 for s in left], "pinned_s": [round(s, 3) for s in left]}
 
     async def load(request: Any, body: Any) -> Any:

@@ -71,6 +71,12 @@ class Metrics(Staged):
             "mmferry_inflight_dedup", "items joined to an identical item in flight", registry=r
         )
         self.encoded_items = Counter("mmferry_encoded_items", "items encoded", registry=r)
+        self.lookups = Counter(
+            "mmferry_cache_lookups",
+            "items engines' connectors looked up, by answer (present or absent)",
+            ["answer"],
+            registry=r,
+        )
         self.pool_fallbacks = Counter(
             "mmferry_pool_fallbacks",
             "shared-memory responses sent inline because the arena was full",

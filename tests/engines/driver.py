@@ -22,6 +22,7 @@ ANSWER_STARTS = ("[{", "[]", "{")
 class Result:
     tokens: list[int]
     top5: list[list[tuple[int, float]]]
+    finish: str | None = None  # the engine's finish reason ("error": the request failed alone)
 
     def max_logprob_diff(self, other: Result) -> float:
         """Largest difference of the top-5 logprobs; inf when the top-5 token ids differ."""
@@ -79,4 +80,7 @@ class DriverEngine:
         answer = json.loads(self._answers[n])
         if isinstance(answer, dict):
             return answer
-        return [Result(a["tokens"], [[tuple(p) for p in s] for s in a["top5"]]) for a in answer]
+        return [
+            Result(a["tokens"], [[tuple(p) for p in s] for s in a["top5"]], a.get("finish"))
+            for a in answer
+        ]

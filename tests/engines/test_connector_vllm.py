@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from mmferry.engines.rows import packed_rows
+from mmferry.engines.vllm import to_vllm_refs
 from mmferry.transport.shm import ShmArena
-from tests.engines.cases import cases, pixel_request
+from tests.engines.cases import cases, items, pixel_request
 from tests.engines.conftest import start_engines
 from tests.engines.lying_service import (
     BAD_LOOKUPS,
@@ -68,6 +69,12 @@ def baseline(models, engines):
     case = cases(models[FAMILY].proc.config.factor)["images"]
     (want,) = engines[FAMILY].generate([pixel_request(case)])
     return case, want
+
+
+def absent(body: dict) -> Answer:
+    """The protocol's answer: no asked hash held."""
+    n = len(body["hashes"])
+    return js({"present": [False] * n, "pinned_s": [0.0] * n})
 
 
 def lookups_of(lying: LyingService, ids: list[str]) -> list[dict]:
@@ -127,6 +134,30 @@ def test_vllm_uses_the_rows_it_loads_after_shared_memory_fails(lying_engine, bas
     (lookup_caller,) = {h[CALLER] for h, _ in lying.calls("lookup")}
     load_callers = {h[CALLER] for h, _ in lying.calls("load")}
     assert load_callers == {lookup_caller}
+
+
+def test_an_item_with_only_a_grid_that_no_service_holds_fails_its_request_alone(
+    lying_engine, baseline, models
+):
+    """A request naming items by grid and hash only, which the service does not hold (evicted,
+    or its encoder died after the encode): vLLM has nothing to encode them from. The request
+    fails on its own, before it is scheduled, and the engine keeps serving."""
+    lying, engine = lying_engine
+    case, want = baseline
+    lying.answer("lookup", absent)
+    facts = [
+        {"modality": it.modality, "hash": f"nowhere-{i}", "grid_thw": list(it.grid_thw)}
+        for i, it in enumerate(items(models[FAMILY].proc, case))
+    ]
+    got = engine.generate([to_vllm_refs(facts).prompt(case.text)])
+    assert not isinstance(got, dict), (got, "".join(engine.lines[-30:]))
+    (res,) = got
+    assert res.finish == "error" and res.tokens == []
+    assert lookups_of(lying, ["nowhere-0", "nowhere-1"])
+    # The engine is alive: the same images with pixels get the plain engine's answer.
+    (res,) = engine.generate([pixel_request(case, ["after-0", "after-1"])])
+    assert res.tokens == want.tokens
+    assert res.max_logprob_diff(want) <= LOGPROB_ATOL
 
 
 def test_rows_that_do_not_fit_fail_the_load_naming_the_item(lying_engine, baseline):

@@ -40,7 +40,11 @@ def main() -> None:
         try:
             outs = llm.generate(job["requests"], params, use_tqdm=False)
             answer = [
-                {"tokens": list(o.outputs[0].token_ids), "top5": _steps(o.outputs[0].logprobs)}
+                {
+                    "tokens": list(o.outputs[0].token_ids),
+                    "top5": _steps(o.outputs[0].logprobs or []),
+                    "finish": o.outputs[0].finish_reason,
+                }
                 for o in outs
             ]
         except Exception as e:  # noqa: BLE001 - reported to the test, which decides

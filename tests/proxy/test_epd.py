@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+import mmferry as mf
 from tests.engines.lying_service import LyingService, js, raw, rows
 from tests.engines.service import free_port
 from tests.engines.tiny_vlm import VIDEO_FPS, gradient, image, video
@@ -248,8 +249,29 @@ def test_a_client_gone_mid_stream_cancels_the_upstream_request(stack, proxies):
 
 
 @only_qwen2_5
-def test_failover_to_other_encoders_and_to_vllm(stack, proxies):
-    url = proxies["embeds"].url
+def test_vllms_connector_asks_first_the_encoder_the_proxy_chose(stack, proxies):
+    """Connector mode: vLLM's connector ranks the encoders by the key the proxy routed each
+    item by (carried in its uuid), so its one lookup per item finds the item at once."""
+    urls = [e.url for e in stack.encoders]
+    f = stack.factor
+
+    def lookups(answer: str) -> list[float]:
+        return [scrape(u, "mmferry_cache_lookups_total", answer=answer) for u in urls]
+
+    present, absent, before = lookups("present"), lookups("absent"), encoded(urls)
+    for i in range(12):
+        content = [image_part(image(2 * f, 2 * f, 700 + i)), TEXT]
+        assert chat(proxies["connector"].url, stack.model, content).status == 200
+    per_encoder = delta(encoded(urls), before)
+    assert sum(per_encoder) == 12, per_encoder
+    assert delta(lookups("present"), present) == per_encoder
+    assert delta(lookups("absent"), absent) == [0, 0, 0]
+
+
+@only_qwen2_5
+@pytest.mark.parametrize("mode", ["embeds", "connector"])
+def test_failover_to_other_encoders_and_to_vllm(stack, proxies, mode):
+    url = proxies[mode].url
     f = stack.factor
     contents = [
         [image_part(image(2 * f, 3 * f, 300 + i)), image_part(gradient(3 * f, 2 * f, i)), TEXT]
@@ -306,6 +328,42 @@ def test_failover_to_other_encoders_and_to_vllm(stack, proxies):
         for e in stack.encoders:
             with contextlib.suppress(RuntimeError):
                 e.start()
+
+
+@only_qwen2_5
+def test_items_vllm_cannot_find_are_sent_again_as_pixels(stack):
+    """Connector mode: an encoder says it holds each item, but vLLM's connector finds them on
+    no encoder (the one that held them died or dropped them between the encode and vLLM's
+    lookup). vLLM fails that request alone, before running it, and the proxy sends it again
+    with pixels: the client gets vLLM's own answer, streamed or not, and vLLM keeps serving."""
+    f = stack.factor
+    pics = [image(2 * f, 3 * f, 500), gradient(3 * f, 2 * f, 501)]
+    content = [image_part(p) for p in pics] + [TEXT]
+    want = reference(stack, content)
+    proc = mf.Processor.from_pretrained(stack.model)
+    facts = {
+        part["image_url"]["url"]: {
+            "modality": "image",
+            "hash": f"held-nowhere-{i}",
+            "grid_thw": list(proc.image(p).grid_thw),
+            "num_tokens": proc.image(p).num_tokens,
+            "held": True,
+        }
+        for i, (part, p) in enumerate(zip(content, pics))
+    }
+    answer = lambda body: js({"items": [facts[body["content"][0]["image_url"]["url"]]]})  # noqa: E731
+    with LyingService() as lying:
+        lying.answer("encode", answer)
+        front = proxy(stack.vllm.url, [lying.url], "connector").start()
+        try:
+            for stream in (False, True):
+                chat(front.url, stack.model, content, stream=stream).same_as(want)
+            assert len(lying.calls("encode")) == 4
+            lacked = scrape(front.url, "mmferry_proxy_items_fallback_total", reason="engine_lacked")
+            assert lacked == 4
+        finally:
+            front.stop()
+    assert httpx.get(f"{stack.vllm.url}/health", timeout=10).status_code == 200
 
 
 @only_qwen2_5
