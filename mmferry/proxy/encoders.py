@@ -25,6 +25,7 @@ from mmferry.proxy.router import Router
 from mmferry.server.limits import RequestError
 
 log = logging.getLogger("mmferry.proxy")
+ENCODE = "/v1/cache/encode"
 
 
 class _Failed(Exception):
@@ -93,7 +94,10 @@ class EncoderPool:
             # The proxy's key toward the encoders is wrong: the operator's fault, not the
             # client's; the next choice may still take it.
             raise _Failed("unauthorized", "the encoder refused the proxy's key")
-        if not 400 <= r.status_code < 500:
+        # NOTE: the encode route refuses items with 413 or 422, never 404 or 405: those say the
+        # URL is no mmferry encoder (a wrong port, an older service), not that the item is bad.
+        no_route = route == ENCODE and r.status_code in (404, 405)
+        if no_route or not 400 <= r.status_code < 500:
             # Not the protocol's (a redirect, a 204): no refusal of the item to pass on.
             raise _Failed("bad_answer", f"status {r.status_code}: {r.text[:200]}")
         raise client_error(r.status_code, r.text, media)
@@ -118,7 +122,7 @@ class EncoderPool:
                 self.router.release(url)
 
     async def _encode_on(self, url: str, media: Media) -> Encoded | None:
-        r = await self._post(url, "/v1/cache/encode", {"content": [media.raw]}, media)
+        r = await self._post(url, ENCODE, {"content": [media.raw]}, media)
         try:
             facts = encode_facts(r.content, media.modality)
         except BadEncoderAnswer as e:

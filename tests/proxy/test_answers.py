@@ -91,6 +91,8 @@ BAD_ENCODES = {
     "timestamps_not_numbers": facts(timestamps=["0"]),
     "status_204": Answer(204, b""),
     "status_302": Answer(302, b""),
+    "no_such_route": Answer(404, b'{"detail": "Not Found"}'),
+    "method_not_allowed": Answer(405, b'{"detail": "Method Not Allowed"}'),
 }
 # Every form of a bad /v1/cache/load answer after good facts.
 BAD_LOADS = {
