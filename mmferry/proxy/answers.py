@@ -93,6 +93,10 @@ def loaded_rows(content: bytes, facts: dict[str, Any], dtype: str) -> torch.Tens
     try:
         rows = read_rows(content, [h])[h]
         check_rows(h, rows, facts["num_tokens"], DTYPES[dtype])
+        # NOTE: a tower's rows are layer-normed, never NaN or infinite; such rows are a broken
+        # encoder's, and vLLM would generate from them without a word.
+        if not bool(torch.isfinite(rows).all()):
+            raise ValueError(f"{h}: rows hold NaN or infinite values")
         # The rewrite's own item (its merge rule and timestamps), built once here so that an
         # answer it would refuse fails this encoder instead of the request.
         stamps = facts["timestamps"]

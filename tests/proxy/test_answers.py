@@ -113,6 +113,8 @@ BAD_LOADS = {
     "rows_of_ints": rows({HASH: ROWS.to(torch.int64)}),
     "rows_float16_for_float32": rows({HASH: ROWS.half()}),
     "rows_bfloat16_for_float32": rows({HASH: ROWS.bfloat16()}),
+    "rows_with_a_nan": rows({HASH: ROWS.index_fill(0, torch.tensor([3]), float("nan"))}),
+    "rows_with_an_infinity": rows({HASH: ROWS.index_fill(1, torch.tensor([5]), float("inf"))}),
     "status_204": Answer(204, b""),
 }
 
