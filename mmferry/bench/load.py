@@ -430,10 +430,9 @@ def serve_baseline(depth: int | None) -> int:
     route.__annotations__["request"] = Request
     app.post("/v1/encode")(route)
 
-    import socket
+    from mmferry.server.run import listening_socket
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = listening_socket("127.0.0.1", 0)  # Nagle off, as the service's own
     print(f"baseline: listening on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     return 0

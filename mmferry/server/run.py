@@ -55,6 +55,20 @@ def serve(service: EncoderService, host: str, port: int, *, log_level: str = "wa
     )
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (`host`, `port`), 0 for a free port.
+
+    NOTE: created with its protocol named (IPPROTO_TCP): asyncio turns Nagle off
+    (TCP_NODELAY) only on connections whose socket says TCP, and an accepted connection takes
+    the listening socket's. With Nagle on, a response written in two parts (headers, then the
+    body; an SSE event after another) waits for the peer's delayed ACK: about 40 ms a call."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 def serve_app(
     app: Any,
     state: Any,
@@ -73,10 +87,7 @@ def serve_app(
     (`mmferry serve`, `mmferry proxy`). With `header_timeout_s`, a request's headers must
     arrive within it (protocol.py; `on_header_timeout` counts each cut)."""
     uvicorn = import_uvicorn()
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock = listening_socket(host, port)
     bound = sock.getsockname()[1]
     url_host = f"[{host}]" if ":" in host else host
 
