@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -99,10 +100,26 @@ class Stack:
     front: Proc
 
 
+def keep_logs(procs: list[VllmServer | Proc], logs: Path, failed: bool) -> None:
+    """Every process's output into `logs`; after a failure, the tail of each on stderr."""
+    logs.mkdir(parents=True, exist_ok=True)
+    for i, p in enumerate(procs):
+        if isinstance(p, VllmServer):
+            name, text = f"{i}-vllm-{p.work.name}.log", p.log.read_text(errors="replace")
+        else:
+            name, text = f"{i}-mmferry-{p.args[0]}.log", "".join(p.lines)
+        (logs / name).write_text(text)
+        if failed:
+            tail = "\n".join(text.splitlines()[-30:])
+            print(f"--- {name} (last lines)\n{tail}", file=sys.stderr)
+
+
 @contextmanager
-def started(model: Path, work: Path) -> Iterator[Stack]:
-    """Both set-ups running; every process stopped on leaving, however that happens."""
+def started(model: Path, work: Path, logs: Path) -> Iterator[Stack]:
+    """Both set-ups running; every process stopped on leaving, however that happens, and its
+    output kept in `logs`."""
     procs: list[VllmServer | Proc] = []
+    failed = True
     try:
         (work / "plain").mkdir()
         (work / "connector").mkdir()
@@ -121,9 +138,11 @@ def started(model: Path, work: Path) -> Iterator[Stack]:
         procs.append(front)
         front.start()
         yield Stack(model, plain, llm, encoders, front)
+        failed = False
     finally:
         for p in reversed(procs):
             p.stop()
+        keep_logs(procs, logs, failed)
         left = [
             path.name
             for p in procs
@@ -200,19 +219,23 @@ def bench(
         raise RuntimeError(f"vLLM's benchmark failed:\n{run.stdout[-3000:]}{run.stderr[-3000:]}")
     result = json.loads(out.read_text())
     if result["failed"]:
-        errors = sorted({e for e in result["errors"] if e})
-        raise RuntimeError(f"{result['failed']} requests failed at {url}: {errors[:3]}")
+        errors = Counter(e for e in result["errors"] if e).most_common(3)
+        raise RuntimeError(f"{result['failed']} requests failed at {url}: {errors}")
     return result
 
 
 def counters(stack: Stack) -> dict[str, float]:
-    """The encoders' cache counters (summed) and the proxy's encoder time."""
-    out = {
-        name: sum(scrape(e.url, f"mmferry_cache_{name}_total") for e in stack.encoders)
-        for name in ("hits", "misses")
+    """The encoders' cache counters (summed), the proxy's encoder time and the items it sent
+    to vLLM as pixels (no encoder held them)."""
+    names = {
+        "hits": "mmferry_cache_hits_total",
+        "misses": "mmferry_cache_misses_total",
+        "dedup": "mmferry_inflight_dedup_total",  # joined an identical item being encoded
     }
+    out = {k: sum(scrape(e.url, name) for e in stack.encoders) for k, name in names.items()}
     for part in ("sum", "count"):
         out[f"encoder_{part}"] = scrape(stack.front.url, f"mmferry_proxy_encoder_seconds_{part}")
+    out["fallback"] = scrape(stack.front.url, "mmferry_proxy_items_fallback_total")
     return out
 
 
@@ -311,10 +334,12 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     print("\n".join(table(mm["runs"])))
     rates = [c["hits"] / (c["hits"] + c["misses"]) * 100 for c in mm["cache"]]
     per_item = [c["encoder_sum"] / c["encoder_count"] * 1000 for c in mm["cache"]]
-    hits = sum(c["hits"] for c in mm["cache"])
-    misses = sum(c["misses"] for c in mm["cache"])
-    print(f"encoders' cache hit rate per round: {spread(rates, 1)} % ({hits:.0f} hits, "
-          f"{misses:.0f} misses in all)")  # fmt: skip
+    total = {k: sum(c[k] for c in mm["cache"]) for k in ("hits", "misses", "dedup", "fallback")}
+    print(
+        f"encoders' cache hit rate per round: {spread(rates, 1)} % (in all {total['hits']:.0f} "
+        f"hits, {total['misses']:.0f} misses, {total['dedup']:.0f} joined to the same item in "
+        f"flight; {total['fallback']:.0f} items sent to vLLM as pixels)"
+    )
     print(f"an item's encode as the proxy waits for it: {spread(per_item, 1)} ms")
     print(f"proxy less plain, TTFT p50 per round: {p50_gap(mm['runs'])} ms")
     print(
@@ -342,6 +367,8 @@ def main() -> None:
     p.add_argument("--text-prompts", type=int, default=40)
     p.add_argument("--text-rate", type=float, default=4.0)
     p.add_argument("--json", type=Path, help="write every round's figures here")
+    default_logs = Path(tempfile.gettempdir()) / "bench-proxy-logs"
+    p.add_argument("--logs", type=Path, default=default_logs, help="the processes' output")
     args = p.parse_args()
     # SIGTERM unwinds like Ctrl-C, so every process started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -349,7 +376,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as name:
         tmp = Path(name)
         model = args.model or build_checkpoint("qwen2_5_vl", tmp / "model")
-        with started(model, tmp) as stack:
+        with started(model, tmp, args.logs) as stack:
             result["check"] = check_same(stack, args.images, args.image_size)
             print(f"same tokens both ways: {result['check']}", flush=True)
             result["load"].append(os.getloadavg())
