@@ -141,12 +141,16 @@ def event_verdict(event: bytes) -> bool | None:
         if "error" in doc:
             return True
         for choice in doc.get("choices") or []:
-            if not isinstance(choice, dict):
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            # NOTE: only the assistant's role (with empty content) opens a stream; any other
+            # delta is a generated token, even one that decodes to "" (part of a character).
+            if not isinstance(delta, dict) or "role" not in delta:
                 return False
-            delta = choice.get("delta") or {}
-            if choice.get("finish_reason") or choice.get("logprobs") or choice.get("text"):
+            if choice.get("finish_reason") or choice.get("logprobs"):
                 return False
-            if not isinstance(delta, dict) or any(k != "role" and v for k, v in delta.items()):
+            if any(k not in ("role", "content") and v for k, v in delta.items()):
+                return False
+            if delta.get("content"):
                 return False
     return None
 

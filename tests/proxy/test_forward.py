@@ -25,6 +25,9 @@ def chunk(**delta: object) -> dict:
         (event(chunk(role="assistant")), None),  # the preamble: look further
         (event(chunk(role="assistant", content="")), None),
         (event(chunk(content="Hello")), False),
+        # A token that decodes to nothing (half of a character) is output all the same.
+        (event(chunk(content="")), False),
+        (event(chunk()), False),
         (event(chunk(reasoning_content="hm")), False),
         (event({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}), False),
         (event({"choices": [{"index": 0, "text": "Hi", "finish_reason": None}]}), False),
