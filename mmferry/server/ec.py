@@ -6,7 +6,9 @@ later loads the rows (`POST /v1/cache/load`). Between the two the service's LRU 
 entry and fail a request the engine already planned; so a lookup that answers "present" pins
 the entry for its caller: the service keeps a reference to its rows until that caller loads
 them or the pin's lifetime passes, whatever the LRU does meanwhile. The lifetime starts at the
-caller's first lookup of the item and a repeated lookup never extends it; the answer says how
+caller's first lookup of the item; a repeated lookup renews it while the cache still holds the
+rows (such a pin costs nothing) and never extends it once the rows live only in pins; the
+answer says how
 long is left (`pinned_s`), and a connector trusts "present" no longer than that, measured from
 when it sent the lookup. An absent entry is simply reported absent, and the engine encodes
 that item itself. `POST /v1/cache/encode` encodes parts like `/v1/encode` but answers only each
@@ -69,9 +71,12 @@ class _Held:
 class Pins:
     """Rows callers were told are present, held per caller until loaded or `ttl_s` has passed.
 
-    A pin's deadline is fixed when its caller first looks the item up: a repeated lookup answers
-    the time left and never extends it, so no caller keeps rows for ever by asking again, and a
-    load releases only the loader's pins. Rows the cache still holds cost nothing; `max_bytes`
+    A pin's deadline is set when its caller first looks the item up. A repeated lookup renews it
+    while the cache holds the rows (pinning them costs nothing then, and an engine that looked
+    an item up and loaded nothing, its own cache having the item, must not be told a lapsing
+    pin later); once the rows live only in pins it answers the time left and never extends it,
+    so no caller keeps evicted rows for ever by asking again. A load releases only the loader's
+    pins. Rows the cache still holds cost nothing; `max_bytes`
     bounds the pinned rows it no longer holds (`used_bytes`). A pin on rows outside the cache
     never outlives the pins already holding them, so callers cannot hand such rows on to one
     another. Rows the cache evicts while pinned count from then on: past `max_bytes` plus one
@@ -137,9 +142,14 @@ class Pins:
         `fresh` is rows just encoded (the encode route's pin), which may be larger than the
         cache."""
         held = self._held.get(key)
-        if held is not None and caller in held.callers:
-            return held.callers[caller] - now, used  # fixed at the first lookup
         cached = self.cache.peek(key)
+        if held is not None and caller in held.callers:
+            if cached is None or cached is not held.out:
+                return held.callers[caller] - now, used  # evicted: fixed, never extended
+            deadline = now + self.ttl_s  # cached: renewed (the old heap entry is skipped)
+            held.callers[caller] = deadline
+            heapq.heappush(self._deadlines, (deadline, key, caller))
+            return self.ttl_s, used
         if held is not None:
             out, cost = held.out, 0  # already counted (or in the cache)
         elif cached is not None:
