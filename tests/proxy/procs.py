@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -97,6 +98,15 @@ class VllmServer:
     def metric(self, name: str, **labels: str) -> float:
         """The sum of a vLLM metric's samples whose labels include `labels`."""
         return scrape(self.url, name, **labels)
+
+
+def send_json(handler: Any, body: bytes) -> None:
+    """A 200 JSON answer from a stdlib handler (the tests' recording upstreams)."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
 
 
 def scrape(url: str, name: str, **labels: str) -> float:

@@ -23,7 +23,7 @@ import torch
 from tests.engines.lying_service import Answer, LyingService, html, js, raw, rows
 from tests.engines.tiny_vlm import build_checkpoint, image
 from tests.proxy.conftest import first_choice, image_part
-from tests.proxy.procs import Proc, encoder, proxy, scrape
+from tests.proxy.procs import Proc, encoder, proxy, scrape, send_json
 
 TEXT = {"type": "text", "text": "describe the image"}
 HASH = "h0"
@@ -126,12 +126,7 @@ class _Engine(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
         self.seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-        answer = json.dumps(ENGINE_ANSWER).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
+        send_json(self, json.dumps(ENGINE_ANSWER).encode())
 
     def log_message(self, *args) -> None:
         pass

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.engines.service import free_port
-from tests.proxy.procs import Proc, proxy, scrape
+from tests.proxy.procs import Proc, proxy, scrape, send_json
 
 HEADER_TIMEOUT_S = 1
 
@@ -50,12 +50,7 @@ class _Recorder(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.seen.append((self.command, self.path, self.headers.get("Content-Type", ""), body))
-        answer = b'{"ok": true}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
+        send_json(self, b'{"ok": true}')
 
     def log_message(self, *args) -> None:
         pass
