@@ -17,6 +17,7 @@ import pytest
 
 from tests.engines.service import free_port
 from tests.proxy.procs import Proc, proxy, scrape, send_json
+from tests.server.test_connections import read_until_closed
 
 HEADER_TIMEOUT_S = 1
 
@@ -80,24 +81,13 @@ def test_every_other_post_reaches_the_engine_byte_for_byte(path, ctype, body):
         upstream.shutdown()
 
 
-def _answer(sock: socket.socket) -> bytes:
-    """What the proxy sends until it closes."""
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return data
-
-
 def test_headers_never_sent_are_a_408_within_the_header_timeout(front):
     split = urlsplit(front.url)
     before = scrape(front.url, "mmferry_proxy_errors_total", kind="header_timeout")
     t0 = time.monotonic()
     with socket.create_connection((split.hostname, split.port), timeout=30) as silent:
         silent.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # never ended
-        answer = _answer(silent)
+        answer = read_until_closed(silent)
     waited = time.monotonic() - t0
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"--header-timeout" in answer

@@ -38,7 +38,7 @@ def _connect(url: str) -> socket.socket:
     return socket.create_connection((split.hostname, split.port), timeout=30)
 
 
-def _answer(sock: socket.socket) -> bytes:
+def read_until_closed(sock: socket.socket) -> bytes:
     """What the server sends until it closes (b'' when it closes without answering)."""
     data = b""
     try:
@@ -68,7 +68,7 @@ def test_headers_must_arrive_within_the_header_timeout(server):
     threading.Thread(target=drip, daemon=True).start()
     try:
         for sock in (silent, dripping):
-            answer = _answer(sock)
+            answer = read_until_closed(sock)
             assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
             assert b"--header-timeout" in answer
         assert time.monotonic() - t0 < SLOW_S
