@@ -149,8 +149,14 @@ def by_reference(media: Sequence[Media], answers: Sequence[Encoded | None], mode
     has no pixels for them, only the connector's load."""
     if mode != "connector":
         return 0
-    pixels = {m.modality for m, a in zip(media, answers) if a is None}
+    pixels = _pixel_modalities(media, answers)
     return sum(m.modality not in pixels for m in media)
+
+
+def _pixel_modalities(media: Sequence[Media], answers: Sequence[Encoded | None]) -> set[str]:
+    """The modalities that go as pixels: vLLM refuses raw and embedding parts of one modality
+    in one request, so one item without an encoder's answer sends its whole modality."""
+    return {m.modality for m, a in zip(media, answers) if a is None}
 
 
 def uuid(answer: Encoded, media: Media) -> str:
@@ -171,7 +177,7 @@ def rewrite(
     `pixels_only`, every item as its pixels and no uuid: the engine encodes them all (vLLM
     keys its processor cache by uuid, so a uuid it saw as a grid alone would bring the grid
     back)."""
-    pixels = {m.modality for m, a in zip(media, answers) if a is None or pixels_only}
+    pixels = {m.modality for m in media} if pixels_only else _pixel_modalities(media, answers)
     messages = [dict(m) if isinstance(m, dict) else m for m in body["messages"]]
     for msg in messages:
         if isinstance(msg, dict) and isinstance(msg.get("content"), list):
