@@ -41,11 +41,14 @@ def stop(proc: subprocess.Popen | None) -> None:
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` (the CPU wheel's `vllm serve` stops on its
     package name) serving a tiny checkpoint, with `--enable-mm-embeds` and, when given, the
-    encoder-cache connector toward mmferry encoders."""
+    encoder-cache connector toward mmferry encoders (or `ec_transfer`, a whole
+    --ec-transfer-config; `extra`: more arguments)."""
 
     model: Path
     work: Path
     connector: dict | None = None
+    ec_transfer: dict | None = None
+    extra: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
 
@@ -74,6 +77,9 @@ class VllmServer:
                 "ec_connector_extra_config": self.connector,
             }
             cmd += ["--ec-transfer-config", json.dumps(config)]
+        if self.ec_transfer is not None:
+            cmd += ["--ec-transfer-config", json.dumps(self.ec_transfer)]
+        cmd += self.extra
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(False), cwd=self.work
@@ -127,10 +133,12 @@ def scrape(url: str, name: str, **labels: str) -> float:
 
 @dataclass
 class Proc:
-    """An `mmferry` command that prints "listening on URL" once it serves."""
+    """An `mmferry` command (or `python -m module`) that prints "listening on URL" once it
+    serves."""
 
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    module: str = "mmferry"
     proc: subprocess.Popen | None = None
     url: str = ""
     lines: list[str] = field(default_factory=list)
@@ -140,7 +148,7 @@ class Proc:
         env.update(PYTHONPATH=str(ROOT), **self.env)
         self.lines = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mmferry", *self.args],
+            [sys.executable, "-m", self.module, *self.args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
