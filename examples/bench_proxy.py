@@ -1,29 +1,29 @@
-"""vLLM's own serving benchmark against a plain vLLM and `mmferry proxy`, in one command.
+"""vLLM's own serving benchmark against plain vLLM, vLLM's EPD and `mmferry proxy`, in one command.
 
-    PYTHONPATH=. .venv/bin/python examples/bench_proxy.py --rounds 5 --json result.json
+    PYTHONPATH=. .venv/bin/python examples/bench_proxy.py --rounds 3 --kill --json tiny.json
+    PYTHONPATH=. .venv/bin/python examples/bench_proxy.py --model heavy --image-size 448 ...
 
-Starts every process itself, on loopback: the tiny Qwen2.5-VL checkpoint of the tests (or
---model DIR), a plain vLLM (pixels, no connector), two `mmferry serve` encoders, a second vLLM
-whose MmferryECConnector loads from them and `mmferry proxy --mode connector` in front of it,
-each as the proxy tests start it (tests/proxy/procs.py; vLLM from .vllm-venv). Before timing,
-one greedy request with images goes to both set-ups and one text-only request to the proxied
-vLLM directly and through the proxy; each pair must give the same tokens (and other images other
-tokens, so the check can fail).
+Starts every process itself, on loopback (examples/bench_setups.py): (a) a plain vLLM with pixels,
+(b) vLLM's encoder disaggregation (two encoder-only vLLMs, a PD vLLM, ECExampleConnector, the
+front of vLLM's example), (c) two `mmferry serve` encoders, a vLLM with MmferryECConnector and
+`mmferry proxy --mode connector`, (c') the same in embeds mode; `--setups` picks some. The
+checkpoint: the tests' tiny Qwen2.5-VL (encoding almost free: the figures are what the path
+costs), "heavy" (the same with a deeper, wider tower: encoding a visible part of TTFT), or a
+folder. Before timing, one greedy request with images goes to every set-up: the same tokens, or
+no benchmark (and other images other tokens, so the check can fail).
 
-Then vLLM's benchmark (`vllm.benchmarks.serve`, the module: the CPU wheel's `vllm bench`
-console script stops on its package name), OpenAI chat backend, at a fixed request rate:
-- multimodal: its `random-mm` dataset, --images images per request. random-mm draws every image
-  fresh, so nothing would repeat; the benchmark runs with its image generator wrapped: with
-  probability --repeat-share (drawn from the dataset's own seeded generator) an image is one of
-  --pool fixed images, the same in every round, else vLLM's own fresh one. Each round has its
-  own seed, so fresh images and texts differ between rounds; both set-ups of a round get the
-  same requests. A round runs plain, then the proxy; the encoders' cache hit rate of a round is
-  the change of `mmferry_cache_hits_total` and `_misses_total` on their /metrics. One untimed
-  warm-up round per set-up comes first.
-- text-only: its `random` dataset, straight to the proxied vLLM, then through the proxy: what
-  the proxy itself adds to a request.
-Printed: median (min-max) over the rounds of TTFT p50 and p99 and of request throughput. Every
-process is stopped at the end, on an error, on Ctrl-C and on SIGTERM.
+Then vLLM's benchmark (random-mm, OpenAI chat backend, examples/bench_client.py) on every
+set-up with the same requests: all-distinct images and half of them from a pool of repeats, at
+two rates (`--rates`; `auto`: 0.3x and 0.85x the lowest throughput the set-ups reach in their
+unpaced warm-up runs). A round runs every workload on every set-up, one after the other; each
+round has its own seed (fresh images and texts differ between rounds, the pool stays). Per
+set-up and workload: TTFT p50 and p99 and req/s, the median (min-max) over the rounds, and the
+encoder calls and cache hits of the runs (for (a): vLLM's processor cache, whose hits skip
+preprocessing but not the tower). Then one request at a time through (a), (b) and (c), each
+request's time split by the stages the proxy, the encoders and vLLM record (their /metrics,
+examples/bench_breakdown.py); then, with `--kill`, one run per disaggregated set-up in which
+one encoder is SIGKILLed halfway: its failed requests. Every process is stopped at the end, on
+an error, on Ctrl-C and on SIGTERM.
 """
 
 from __future__ import annotations
@@ -35,13 +35,12 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-from collections import Counter
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,36 +51,19 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests' tiny checkpoint and process helpers
 
-from tests.engines.tiny_vlm import build_checkpoint  # noqa: E402
-from tests.engines.vllm_harness import VLLM_PYTHON, vllm_env  # noqa: E402
-from tests.proxy.procs import Proc, VllmServer, encoder, proxy, scrape  # noqa: E402
+from bench_breakdown import breakdown, breakdown_lines  # noqa: E402
+from bench_client import Client  # noqa: E402
+from bench_setups import (  # noqa: E402
+    SETUPS,
+    Setup,
+    build_model,
+    config_line,
+    leftover_shm,
+    start_setup,
+)
 
-# Runs in vLLM's environment: vLLM's benchmark, its random-mm images wrapped so that a share
-# repeats (argv[1]: [share, pool]; the rest is the benchmark's command line).
-RUNNER = """\
-import json, sys
-import numpy as np
-from PIL import Image
-from vllm.benchmarks.datasets.datasets import RandomMultiModalDataset
-from vllm.benchmarks.serve import add_cli_args, main
-from vllm.utils.argparse_utils import FlexibleArgumentParser
+from tests.proxy.procs import Proc, VllmServer  # noqa: E402
 
-share, pool = json.loads(sys.argv[1])
-fresh = RandomMultiModalDataset.generate_synthetic_image
-
-
-def image(self, width, height):
-    if share > 0 and self._rng.random() < share:
-        rng = np.random.default_rng([int(self._rng.integers(pool)), height, width])
-        return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-    return fresh(self, width, height)
-
-
-RandomMultiModalDataset.generate_synthetic_image = image
-p = FlexibleArgumentParser()
-add_cli_args(p)
-main(p.parse_args(sys.argv[2:]))
-"""
 FIGURES = (
     ("median_ttft_ms", "TTFT p50 ms", 1),
     ("p99_ttft_ms", "TTFT p99 ms", 1),
@@ -89,15 +71,8 @@ FIGURES = (
 )
 CHECK_TOKENS = 8
 WARMUP_SEED = 1000
-
-
-@dataclass
-class Stack:
-    model: Path
-    plain: VllmServer
-    llm: VllmServer
-    encoders: list[Proc]
-    front: Proc
+KILL_SEED = 2000
+SHARES = (0.0, 0.5)
 
 
 def keep_logs(procs: list[VllmServer | Proc], logs: Path, failed: bool) -> None:
@@ -107,7 +82,7 @@ def keep_logs(procs: list[VllmServer | Proc], logs: Path, failed: bool) -> None:
         if isinstance(p, VllmServer):
             name, text = f"{i}-vllm-{p.work.name}.log", p.log.read_text(errors="replace")
         else:
-            name, text = f"{i}-mmferry-{p.args[0]}.log", "".join(p.lines)
+            name, text = f"{i}-{p.module}-{p.args[0]}.log", "".join(p.lines)
         (logs / name).write_text(text)
         if failed:
             tail = "\n".join(text.splitlines()[-30:])
@@ -115,40 +90,34 @@ def keep_logs(procs: list[VllmServer | Proc], logs: Path, failed: bool) -> None:
 
 
 @contextmanager
-def started(model: Path, work: Path, logs: Path) -> Iterator[Stack]:
-    """Both set-ups running; every process stopped on leaving, however that happens, and its
+def started(keys: list[str], model: Path, work: Path, logs: Path) -> Iterator[list[Setup]]:
+    """The set-ups running; every process stopped on leaving, however that happens, and its
     output kept in `logs`."""
     procs: list[VllmServer | Proc] = []
+    setups: list[Setup] = []
     failed = True
+    # NOTE: the set-ups start side by side (a vLLM takes minutes to start on a busy machine);
+    # each appends its processes to `procs` as it starts them.
+    pool = ThreadPoolExecutor(len(keys))
     try:
-        (work / "plain").mkdir()
-        (work / "connector").mkdir()
-        plain = VllmServer(model, work / "plain")
-        procs.append(plain)
-        plain.start()
-        encoders = [encoder(model) for _ in range(2)]
-        for e in encoders:
-            procs.append(e)
-            e.start()
-        urls = [e.url for e in encoders]
-        llm = VllmServer(model, work / "connector", {"urls": urls})
-        procs.append(llm)
-        llm.start()
-        front = proxy(llm.url, urls, "connector")
-        procs.append(front)
-        front.start()
-        yield Stack(model, plain, llm, encoders, front)
+        futures = [
+            pool.submit(start_setup, key, model, work / f"setup-{i}", procs)
+            for i, key in enumerate(keys)
+        ]
+        setups += [f.result() for f in futures]
+        print(f"started {keys}, load {os.getloadavg()}", flush=True)
+        yield setups
         failed = False
     finally:
         for p in reversed(procs):
             p.stop()
+        # The starts still running fail now that their processes are stopped; a process one
+        # of them started meanwhile is stopped too.
+        pool.shutdown(wait=True, cancel_futures=True)
+        for p in reversed(procs):
+            p.stop()
         keep_logs(procs, logs, failed)
-        left = [
-            path.name
-            for p in procs
-            if isinstance(p, Proc) and p.proc is not None
-            for path in Path("/dev/shm").glob(f"mmferry-{p.proc.pid}-*")
-        ]
+        left = leftover_shm(setups)
         if left:
             print(f"shared memory left behind by the encoders: {left}", file=sys.stderr)
 
@@ -179,77 +148,24 @@ def greedy(url: str, model: Path, content: list[dict]) -> list[int]:
     return [int(s["token"].removeprefix("token_id:")) for s in steps]
 
 
-def check_same(stack: Stack, images: int, size: int) -> dict[str, list[int]]:
-    """One request with images to both set-ups, one text-only request to the proxied vLLM
-    directly and through the proxy: the same greedy tokens, or no benchmark."""
+def check_same(setups: list[Setup], model: Path, images: int, size: int) -> dict[str, list]:
+    """One request with images to every set-up: the same greedy tokens, or no benchmark; and
+    other images to the first, other tokens (so the check can fail)."""
     text = {"type": "text", "text": "describe the image"}
     media = [text, *(jpeg_part([7, i], size) for i in range(images))]
     other = [text, *(jpeg_part([8, i], size) for i in range(images))]
-    got = {
-        "images, plain vLLM": greedy(stack.plain.url, stack.model, media),
-        "images, through the proxy": greedy(stack.front.url, stack.model, media),
-        "text, vLLM directly": greedy(stack.llm.url, stack.model, [text]),
-        "text, through the proxy": greedy(stack.front.url, stack.model, [text]),
-        "other images, plain vLLM": greedy(stack.plain.url, stack.model, other),
-    }
-    a, b, c, d, e = got.values()
-    if a != b or c != d:
+    got = {s.key: greedy(s.url, model, media) for s in setups}
+    got["other images"] = greedy(setups[0].url, model, other)
+    first = got[setups[0].key]
+    if any(got[s.key] != first for s in setups):
         raise RuntimeError(f"the set-ups answer differently: {got}")
     # The tokens depend on the pixels, so the equality above says the images arrived.
-    if a == e:
+    if got["other images"] == first:
         raise RuntimeError(f"other images gave the same tokens, the check cannot tell: {got}")
     return got
 
 
-def bench(
-    url: str, model: Path, seed: int, args: list[str], repeat: list[float], out: Path
-) -> dict[str, Any]:
-    """One run of vLLM's benchmark; its saved result. Any failed request stops the benchmark
-    with the errors vLLM's client recorded."""
-    cmd = [str(VLLM_PYTHON), "-c", RUNNER, json.dumps(repeat)]
-    cmd += ["--backend", "openai-chat", "--base-url", url, "--endpoint", "/v1/chat/completions"]
-    cmd += ["--model", str(model), "--seed", str(seed), "--disable-tqdm"]
-    # The processes are up (checked above); the ready check would send one request more.
-    cmd += ["--ready-check-timeout-sec", "0"]
-    cmd += ["--percentile-metrics", "ttft", "--metric-percentiles", "50,99"]
-    cmd += ["--save-result", "--save-detailed"]
-    cmd += ["--result-dir", str(out.parent), "--result-filename", out.name]
-    run = subprocess.run([*cmd, *args], capture_output=True, text=True, env=vllm_env(False))
-    if run.returncode != 0:
-        raise RuntimeError(f"vLLM's benchmark failed:\n{run.stdout[-3000:]}{run.stderr[-3000:]}")
-    result = json.loads(out.read_text())
-    if result["failed"]:
-        errors = Counter(e for e in result["errors"] if e).most_common(3)
-        raise RuntimeError(f"{result['failed']} requests failed at {url}: {errors}")
-    return result
-
-
-def counters(stack: Stack) -> dict[str, float]:
-    """The encoders' cache counters (summed), the proxy's encoder time and the items it sent
-    to vLLM as pixels (no encoder held them)."""
-    names = {
-        "hits": "mmferry_cache_hits_total",
-        "misses": "mmferry_cache_misses_total",
-        "dedup": "mmferry_inflight_dedup_total",  # joined an identical item being encoded
-    }
-    out = {k: sum(scrape(e.url, name) for e in stack.encoders) for k, name in names.items()}
-    for part in ("sum", "count"):
-        out[f"encoder_{part}"] = scrape(stack.front.url, f"mmferry_proxy_encoder_seconds_{part}")
-    out["fallback"] = scrape(stack.front.url, "mmferry_proxy_items_fallback_total")
-    return out
-
-
-def figures(result: dict[str, Any]) -> dict[str, float]:
-    return {key: result[key] for key, _, _ in FIGURES} | {"completed": result["completed"]}
-
-
-def spread(values: list[float], digits: int) -> str:
-    """median (min-max)"""
-    mid = statistics.median(values)
-    return f"{mid:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
-def mm_args(args: argparse.Namespace, prompts: int) -> list[str]:
+def mm_args(args: argparse.Namespace, prompts: int, rate: float) -> list[str]:
     size = args.image_size
     return [
         "--dataset-name", "random-mm",
@@ -260,132 +176,254 @@ def mm_args(args: argparse.Namespace, prompts: int) -> list[str]:
         "--random-mm-limit-mm-per-prompt", json.dumps({"image": args.images, "video": 0}),
         "--random-mm-bucket-config", f"{{({size}, {size}, 1): 1.0}}",
         "--num-prompts", str(prompts),
-        "--request-rate", str(args.request_rate),
+        "--request-rate", str(rate),
         "--ignore-eos",
     ]  # fmt: skip
 
 
-def text_args(args: argparse.Namespace) -> list[str]:
-    return [
+def figures(result: dict[str, Any]) -> dict[str, float]:
+    keys = [key for key, _, _ in FIGURES]
+    return {k: result[k] for k in keys} | {"completed": result["completed"]}
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def measured(client: Client, s: Setup, seed: int, args: list[str], share: float, out: Path):
+    """One benchmark run on `s`: its figures and the change of its counters."""
+    before = s.counts()
+    result = client.run(s.url, seed, args, [share, POOL[0]], out)
+    return figures(result), delta(before, s.counts())
+
+
+POOL = [8]  # the repeated images' pool size (--pool)
+
+
+def warm_up(client: Client, setups: list[Setup], args: argparse.Namespace, tmp: Path):
+    """One unpaced untimed run per set-up; the throughput each reached."""
+    reached = {}
+    for s in setups:
+        a = mm_args(args, args.warmup_prompts, float("inf"))
+        got, _ = measured(client, s, WARMUP_SEED, a, 0.5, tmp / f"warmup-{s.key}.json")
+        reached[s.key] = got["request_throughput"]
+        print(f"warm-up ({s.key}): {reached[s.key]:.2f} req/s unpaced", flush=True)
+    return reached
+
+
+def multimodal(client: Client, setups: list[Setup], args: argparse.Namespace, rates, tmp: Path):
+    runs: dict[str, dict[str, list]] = {}
+    counts: dict[str, dict[str, list]] = {}
+    for r in range(args.rounds):
+        for share in SHARES:
+            for rate in rates:
+                work = f"share {share:g}, {rate:.2f} req/s"
+                for s in setups:
+                    a = mm_args(args, args.num_prompts, rate)
+                    out = tmp / f"mm-{r}-{share}-{rate}-{s.key}.json"
+                    got, c = measured(client, s, r, a, share, out)
+                    runs.setdefault(work, {}).setdefault(s.key, []).append(got)
+                    counts.setdefault(work, {}).setdefault(s.key, []).append(c)
+        print(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()}", flush=True)
+    return {"runs": runs, "counts": counts}
+
+
+def text_only(client: Client, setups: list[Setup], args: argparse.Namespace, tmp: Path):
+    """(c)'s vLLM directly, then through its proxy, on random text: what the proxy itself adds
+    to a request (no encoder in the path)."""
+    c = next(s for s in setups if s.key == "c")
+    a = [
         "--dataset-name", "random",
         "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len),
-        "--num-prompts", str(args.text_prompts),
+        "--num-prompts", str(args.num_prompts),
         "--request-rate", str(args.text_rate),
         "--ignore-eos",
     ]  # fmt: skip
-
-
-def multimodal(stack: Stack, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    targets = {"plain vLLM (pixels)": stack.plain.url, "proxy, connector mode": stack.front.url}
-    repeat = [args.repeat_share, args.pool]
-    for i, url in enumerate(targets.values()):
-        warmup = mm_args(args, args.warmup_prompts)
-        bench(url, stack.model, WARMUP_SEED, warmup, repeat, tmp / f"warmup-{i}.json")
-    runs: dict[str, list[dict]] = {name: [] for name in targets}
-    cache: list[dict[str, float]] = []
+    runs: dict[str, list] = {"vLLM directly": [], "through the proxy": []}
     for r in range(args.rounds):
-        for i, (name, url) in enumerate(targets.items()):
-            before = counters(stack)
-            out = tmp / f"mm-{r}-{i}.json"
-            result = bench(url, stack.model, r, mm_args(args, args.num_prompts), repeat, out)
-            runs[name].append(figures(result))
-            if url == stack.front.url:
-                after = counters(stack)
-                cache.append({k: after[k] - before[k] for k in after})
-        print(f"multimodal round {r + 1}/{args.rounds} done, load {os.getloadavg()}", flush=True)
-    return {"runs": runs, "cache": cache}
+        for name, url in zip(runs, (c.llm.url, c.url)):
+            out = tmp / f"text-{r}-{len(runs[name])}-{name[:3]}.json"
+            runs[name].append(figures(client.run(url, r, a, [0.0, 0], out)))
+    return runs
 
 
-def text_only(stack: Stack, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    targets = {"vLLM directly": stack.llm.url, "through the proxy": stack.front.url}
-    runs: dict[str, list[dict]] = {name: [] for name in targets}
-    for r in range(args.rounds):
-        for i, (name, url) in enumerate(targets.items()):
-            out = tmp / f"text-{r}-{i}.json"
-            runs[name].append(figures(bench(url, stack.model, r, text_args(args), [0, 0], out)))
-        print(f"text-only round {r + 1}/{args.rounds} done, load {os.getloadavg()}", flush=True)
-    return {"runs": runs}
+def kill_runs(client: Client, setups: list[Setup], args: argparse.Namespace, rate, tmp: Path):
+    """One run per disaggregated set-up with one encoder SIGKILLed halfway through."""
+    out = {}
+    for s in setups:
+        if not s.encoders:
+            continue
+        a = mm_args(args, args.num_prompts, rate)
+        client.start(s.url, KILL_SEED, a, [0.5, POOL[0]], tmp / f"kill-{s.key}.json")
+        time.sleep(args.num_prompts / rate / 2)
+        s.kill_encoder()
+        result = client.finish(allow_failed=True)
+        errors: dict[str, int] = {}
+        for e in result["errors"]:
+            if e:
+                errors[e[:120]] = errors.get(e[:120], 0) + 1
+        out[s.key] = {
+            "failed": result["failed"],
+            "completed": result["completed"],
+            "errors": errors,
+            "counts": s.counts(),
+        }
+        print(f"kill ({s.key}): {result['failed']} failed of {args.num_prompts}", flush=True)
+    return out
 
 
-def table(runs: dict[str, list[dict]]) -> list[str]:
-    head = "| target | " + " | ".join(label for _, label, _ in FIGURES) + " |"
-    lines = [head, "|---" * (len(FIGURES) + 1) + "|"]
-    for name, rounds in runs.items():
-        cells = [spread([x[key] for x in rounds], digits) for key, _, digits in FIGURES]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+def spread(values: list[float], digits: int) -> str:
+    """median (min-max)"""
+    mid = statistics.median(values)
+    return f"{mid:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def count_cell(key: str, c: list[dict[str, float]]) -> str:
+    """Encoder calls and cache hits over the rounds (summed)."""
+    total = {k: sum(x.get(k, 0.0) for x in c) for k in c[0]}
+    if key == "a":
+        return f"- | {total['hits']:.0f}/{total['calls']:.0f} (processor cache)"
+    if key == "b":
+        return f"{total['calls']:.0f} | {total['calls'] - total['written']:.0f}"
+    extra = f", {total['fallback']:.0f} as pixels" if total.get("fallback") else ""
+    return f"{total['calls']:.0f} | {total['hits']:.0f} (+{total['dedup']:.0f} joined){extra}"
+
+
+def tables(mm: dict[str, Any]) -> list[str]:
+    lines = []
+    for work, per in mm["runs"].items():
+        lines += ["", f"#### {work}", ""]
+        head = " | ".join(label for _, label, _ in FIGURES)
+        lines += [f"| set-up | {head} | encoder calls | cache hits |", "|---" * 6 + "|"]
+        for key, rounds in per.items():
+            cells = [spread([x[k] for x in rounds], d) for k, _, d in FIGURES]
+            counts = count_cell(key, mm["counts"][work][key])
+            lines.append(f"| ({key}) {SETUPS[key]} | " + " | ".join(cells) + f" | {counts} |")
     return lines
 
 
-def p50_gap(runs: dict[str, list[dict]]) -> str:
-    """The second target's TTFT p50 less the first's, paired by round."""
-    first, second = runs.values()
-    gaps = [b["median_ttft_ms"] - a["median_ttft_ms"] for a, b in zip(first, second, strict=True)]
-    return spread(gaps, 1)
+def p50(mm: dict[str, Any], work: str, key: str, figure: str = "median_ttft_ms") -> float:
+    return statistics.median(x[figure] for x in mm["runs"][work][key])
+
+
+def goals(mm: dict[str, Any], kills: dict[str, Any], heavy: bool) -> list[str]:
+    """The issue's goals, each as the ratio or difference of medians over the rounds."""
+    lines = []
+    for work in mm["runs"]:
+        per = mm["runs"][work]
+        if "c" not in per:
+            continue
+        c = p50(mm, work, "c")
+        if "b" in per:
+            b = p50(mm, work, "b")
+            rps = p50(mm, work, "c", "request_throughput") / p50(
+                mm, work, "b", "request_throughput"
+            )
+            bound = 0.7 if (heavy and work.startswith("share 0.5")) else 1.0
+            verdict = "met" if c <= bound * b and (bound == 1.0 or rps >= 1.0) else "missed"
+            goal = f"(c) <= {bound}x (b)" + (", req/s >= (b)'s" if bound < 1 else "")
+            lines.append(
+                f"- {work}: (c)/(b) TTFT p50 {c / b:.2f}x, req/s {rps:.2f}x "
+                f"[goal {goal}: {verdict if heavy else 'not a goal on this checkpoint'}]"
+            )
+        if "a" in per:
+            gap = c - p50(mm, work, "a")
+            verdict = "met" if gap <= 10 else "missed"
+            lines.append(
+                f"- {work}: (c) - (a) TTFT p50 {gap:+.1f} ms "
+                f"[goal <= 10 ms: {verdict if not heavy else 'not a goal on this checkpoint'}]"
+            )
+    for key, k in kills.items():
+        verdict = "met" if k["failed"] == 0 else "missed"
+        goal = f" [goal 0: {verdict}]" if key == "c" else ""
+        lines.append(f"- encoder killed, ({key}): {k['failed']} failed{goal}")
+    return lines
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
-    mm, text = result["multimodal"], result["text"]
-    print(
-        f"\nmultimodal: {args.num_prompts} requests at {args.request_rate} req/s, "
-        f"{args.images} images of {args.image_size}x{args.image_size} each, a share "
-        f"{args.repeat_share} from a pool of {args.pool}; {args.rounds} rounds"
-    )
-    print("\n".join(table(mm["runs"])))
-    rates = [c["hits"] / (c["hits"] + c["misses"]) * 100 for c in mm["cache"]]
-    per_item = [c["encoder_sum"] / c["encoder_count"] * 1000 for c in mm["cache"]]
-    total = {k: sum(c[k] for c in mm["cache"]) for k in ("hits", "misses", "dedup", "fallback")}
-    print(
-        f"encoders' cache hit rate per round: {spread(rates, 1)} % (in all {total['hits']:.0f} "
-        f"hits, {total['misses']:.0f} misses, {total['dedup']:.0f} joined to the same item in "
-        f"flight; {total['fallback']:.0f} items sent to vLLM as pixels)"
-    )
-    print(f"an item's encode as the proxy waits for it: {spread(per_item, 1)} ms")
-    print(f"proxy less plain, TTFT p50 per round: {p50_gap(mm['runs'])} ms")
-    print(
-        f"\ntext-only: {args.text_prompts} requests at {args.text_rate} req/s; {args.rounds} rounds"
-    )
-    print("\n".join(table(text["runs"])))
-    print(f"through the proxy less directly, TTFT p50 per round: {p50_gap(text['runs'])} ms")
+    print(f"\n{result['model']}; {args.images} images of {args.image_size}x{args.image_size} a "
+          f"request, {args.num_prompts} requests a run, {args.rounds} rounds; repeats from a "
+          f"pool of {args.pool}")  # fmt: skip
+    print("\n".join(tables(result["multimodal"])))
+    print("\n".join(["", "per stage, one request at a time:", *breakdown_lines(result)]))
+    print("\n".join(["", "goals:", *goals(result["multimodal"], result["kill"], result["heavy"])]))
+    for name, rounds in result.get("text", {}).items():
+        cells = [spread([x[k] for x in rounds], d) for k, _, d in FIGURES]
+        print(f"text-only, {name}: " + " | ".join(cells))
+    for key, k in result["kill"].items():
+        print(f"kill ({key}): {k['failed']} failed, {k['completed']} completed: {k['errors']}")
     print(f"\nload average: {result['load']}")
+
+
+def save(result: dict[str, Any], path: Path | None) -> None:
+    if path is not None:
+        path.write_text(json.dumps(result, indent=1))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, help="a Qwen-VL checkpoint (default: the tests' tiny one)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--num-prompts", type=int, default=40, help="multimodal requests per round")
-    p.add_argument("--warmup-prompts", type=int, default=8)
-    p.add_argument("--request-rate", type=float, default=2.0, help="multimodal, req/s")
+    p.add_argument("--model", default="tiny", help="tiny, heavy, or a Qwen-VL checkpoint folder")
+    p.add_argument("--setups", default="a,b,c,c'", help="of " + ",".join(SETUPS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=24, help="multimodal requests per run")
+    p.add_argument("--warmup-prompts", type=int, default=12)
+    p.add_argument("--rates", default="auto", help="two req/s, as LOW,HIGH, or auto")
     p.add_argument("--images", type=int, default=4, help="per request")
     # 224 = 8 x 28: the tiny checkpoint's 64-token budget exactly, so neither side resamples
     p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--repeat-share", type=float, default=0.5)
     p.add_argument("--pool", type=int, default=8, help="the repeated images")
     p.add_argument("--input-len", type=int, default=64, help="random text tokens")
     p.add_argument("--output-len", type=int, default=8)
-    p.add_argument("--text-prompts", type=int, default=40)
+    p.add_argument("--breakdown", type=int, default=6, help="requests, one at a time")
+    p.add_argument("--text", action="store_true", help="text-only, (c) directly and proxied")
     p.add_argument("--text-rate", type=float, default=4.0)
-    p.add_argument("--json", type=Path, help="write every round's figures here")
+    p.add_argument("--kill", action="store_true", help="the encoder-kill runs, at the low rate")
+    p.add_argument("--json", type=Path, help="write every run's figures here")
     default_logs = Path(tempfile.gettempdir()) / "bench-proxy-logs"
     p.add_argument("--logs", type=Path, default=default_logs, help="the processes' output")
     args = p.parse_args()
+    POOL[0] = args.pool
+    keys = args.setups.split(",")
+    unknown = [k for k in keys if k not in SETUPS]
+    if unknown:
+        p.error(f"unknown set-ups {unknown}; choose from {list(SETUPS)}")
     # SIGTERM unwinds like Ctrl-C, so every process started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result: dict[str, Any] = {"command": sys.argv, "load": [os.getloadavg()]}
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as name:
         tmp = Path(name)
-        model = args.model or build_checkpoint("qwen2_5_vl", tmp / "model")
-        with started(model, tmp, args.logs) as stack:
-            result["check"] = check_same(stack, args.images, args.image_size)
-            print(f"same tokens both ways: {result['check']}", flush=True)
-            result["load"].append(os.getloadavg())
-            result["multimodal"] = multimodal(stack, args, tmp)
-            result["load"].append(os.getloadavg())
-            result["text"] = text_only(stack, args, tmp)
-            result["load"].append(os.getloadavg())
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        if args.model in ("tiny", "heavy"):
+            model = build_model(args.model, tmp / "model")
+        else:
+            model = Path(args.model)
+        result["model"] = f"{args.model} checkpoint, {config_line(model)}"
+        result["heavy"] = args.model != "tiny"
+        with started(keys, model, tmp, args.logs) as setups:
+            client = Client(model)
+            try:
+                result["check"] = check_same(setups, model, args.images, args.image_size)
+                print(f"same tokens every way: {result['check']}", flush=True)
+                reached = warm_up(client, setups, args, tmp)
+                if args.rates == "auto":
+                    low = min(reached.values())
+                    rates = [round(0.3 * low, 2), round(0.85 * low, 2)]
+                else:
+                    rates = [float(x) for x in args.rates.split(",")]
+                result |= {"warmup_req_s": reached, "rates": rates}
+                result["load"].append(os.getloadavg())
+                result["multimodal"] = multimodal(client, setups, args, rates, tmp)
+                result["load"].append(os.getloadavg())
+                save(result, args.json)  # a later step may fail; these figures stand
+                result["breakdown"] = breakdown(setups, model, args)
+                save(result, args.json)
+                if args.text and "c" in keys:
+                    result["text"] = text_only(client, setups, args, tmp)
+                result["kill"] = kill_runs(client, setups, args, rates[0], tmp) if args.kill else {}
+                result["load"].append(os.getloadavg())
+            finally:
+                client.stop()
+    save(result, args.json)
     report(result, args)
 
 

@@ -40,7 +40,7 @@ MAX_TOKENS_PER_IMAGE = 64
 VISION_GAIN, LOGIT_GAIN = 8.0, 20.0
 
 
-def _hf_model(family: str):
+def _hf_model(family: str, wider: dict | None = None):
     import transformers
 
     if family == "qwen3_vl":
@@ -70,13 +70,14 @@ def _hf_model(family: str):
         fullatt_block_indexes=[1],
         tokens_per_second=2,
     )
+    vision.update(wider or {})
     rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 6, 6]}
     text = {**TEXT, "rope_parameters": rope}
     cfg = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=text)
     return transformers.Qwen2_5_VLForConditionalGeneration(cfg)
 
 
-def _processor_configs(family: str, path: Path) -> None:
+def _processor_configs(family: str, path: Path, max_tokens: int) -> None:
     cfg = preset(PRESET[family])
     f = cfg.factor
     common = dict(
@@ -93,7 +94,7 @@ def _processor_configs(family: str, path: Path) -> None:
     image = dict(
         common,
         image_processor_type="Qwen2VLImageProcessor",
-        size={"shortest_edge": f * f, "longest_edge": f * f * MAX_TOKENS_PER_IMAGE},
+        size={"shortest_edge": f * f, "longest_edge": f * f * max_tokens},
     )
     video_cls = "Qwen3VLVideoProcessor" if family == "qwen3_vl" else "Qwen2VLVideoProcessor"
     video = dict(
@@ -106,10 +107,14 @@ def _processor_configs(family: str, path: Path) -> None:
     (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=1))
 
 
-def build_checkpoint(family: str, path: Path) -> Path:
-    """Save a perturbed tiny `family` ("qwen2_5_vl" | "qwen3_vl") checkpoint into `path`."""
+def build_checkpoint(
+    family: str, path: Path, vision: dict | None = None, max_tokens: int = MAX_TOKENS_PER_IMAGE
+) -> Path:
+    """Save a perturbed tiny `family` ("qwen2_5_vl" | "qwen3_vl") checkpoint into `path`;
+    `vision` overrides Qwen2.5-VL's tower sizes (depth, width: the proxy benchmark's heavy
+    tower), `max_tokens` is an image's token budget."""
     torch.manual_seed(0)
-    model = _hf_model(family)
+    model = _hf_model(family, vision)
     # Perturb every weight so norms, biases and the vision path are far from their init.
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -126,7 +131,7 @@ def build_checkpoint(family: str, path: Path) -> Path:
         model.lm_head.weight.mul_(LOGIT_GAIN)
     model.eval().save_pretrained(path)
     build_tokenizer_json(path)
-    _processor_configs(family, path)
+    _processor_configs(family, path, max_tokens)
     return path
 
 
