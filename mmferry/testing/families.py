@@ -43,17 +43,26 @@ def _transformers():
     return transformers
 
 
-def _tokenizer(folder: Path, specials: list[str], named: dict[str, str], template: str) -> None:
-    """A word-level tokenizer: <bos>, <eos>, a few words and `specials` (ids from 100)."""
+def _tokenizer(
+    folder: Path,
+    specials: list[str],
+    named: dict[str, str],
+    template: str,
+    plain: tuple[str, ...] = (),
+) -> None:
+    """A word-level tokenizer: <bos>, <eos>, a few words, `specials` (ids from 100) and `plain`
+    (added tokens that are text, ids from 200)."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
     tf = _transformers()
     vocab = {"[UNK]": 0, "<bos>": 1, "<eos>": 2, "<pad>": 3}
     vocab.update({w: 10 + i for i, w in enumerate(_WORDS)})
     vocab.update({s: 100 + i for i, s in enumerate(specials)})
+    vocab.update({s: 200 + i for i, s in enumerate(plain)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in plain])
     tf.PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<bos>",
@@ -92,7 +101,9 @@ def _gemma3(folder: Path) -> None:
     tf = _transformers()
     specials = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
     named = dict(zip(("boi_token", "eoi_token", "image_token"), specials, strict=True))
-    _tokenizer(folder, specials, named, _template("<start_of_image>"))
+    # Gemma 3 wraps each image in blank lines; vLLM looks its newline runs up by text.
+    newlines = tuple("\n" * n for n in range(4, 0, -1))
+    _tokenizer(folder, specials, named, _template("<start_of_image>"), newlines)
     # 56-pixel images of 14-pixel patches: 16 patches pooled to 4 tokens.
     vision = dict(
         hidden_size=32,
@@ -116,11 +127,28 @@ def _gemma3(folder: Path) -> None:
     with torch.no_grad():
         model.model.multi_modal_projector.mm_input_projection_weight.mul_(VISION_GAIN)
     model.eval().save_pretrained(folder)
+    _published_siglip_keys(folder / "model.safetensors")
     image = tf.Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
     tok = tf.AutoTokenizer.from_pretrained(folder)
     tf.Gemma3Processor(image_processor=image, tokenizer=tok, image_seq_length=4).save_pretrained(
         folder
     )
+
+
+def _published_siglip_keys(path: Path) -> None:
+    """The SigLIP tower's keys as published Gemma 3 checkpoints hold them
+    (`vision_tower.vision_model.*`, which vLLM reads); transformers 5 saves them without
+    `vision_model` and reads both."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    renamed = {
+        k.replace("vision_tower.", "vision_tower.vision_model.", 1)
+        if k.startswith("vision_tower.")
+        else k: v
+        for k, v in tensors.items()
+    }
+    save_file(renamed, path, metadata={"format": "pt"})
 
 
 def _glm4v(folder: Path) -> None:
