@@ -233,14 +233,21 @@ class GenericProcessor:
             grid_thw=None if grid is None else tuple(int(v) for v in grid[0].tolist()),
         )
 
-    def images(self, sources: Sequence[Any], *, layout: str = "hf", **_: Any) -> list[Any]:
-        """Many images, in input order; errors name the item's index."""
-        out = []
+    def images(
+        self, sources: Sequence[Any], *, layout: str = "hf", partial: bool = False
+    ) -> list[Any]:
+        """Many images, one after another, in input order. A failed item raises `ItemError`
+        naming its index; with `partial=True` its place holds the `ItemError` instead."""
+        from mmferry.preprocess.batch import ItemError
+
+        out: list[Any] = []
         for i, source in enumerate(sources):
             try:
                 out.append(self.image(source, layout))
             except ValueError as e:
-                raise ValueError(f"item {i}: {e}") from None
+                if not partial:
+                    raise ItemError(i, e) from None
+                out.append(ItemError(i, e))
         return out
 
     def video(self, source: Any, *args: Any, **kwargs: Any):

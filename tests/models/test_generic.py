@@ -148,6 +148,13 @@ def test_gemma3_video_is_a_clear_error(tmp_path):
         proc.video(np.zeros((4, 56, 56, 3), np.uint8))
     with pytest.raises(ValueError, match="compact-u8 is a native-family format"):
         proc.image(_images()[0], "compact-u8")
+    # A bad item is named by its index, or left in its place with partial=True.
+    good = _images()[0]
+    with pytest.raises(mf.ItemError, match="item 1: "):
+        proc.images([good, b"not an image"])
+    got = proc.images([good, b"not an image", good], partial=True)
+    assert isinstance(got[1], mf.ItemError) and got[1].index == 1
+    assert got[0].hash == got[2].hash and got[0].num_tokens == 4
 
 
 def test_generic_matches_native_on_qwen2_5_vl(tmp_path):
