@@ -154,7 +154,7 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
     check_device(args.device)
     dtype = getattr(torch, args.dtype)
     if args.model:
-        _native_only(args.model)
+        native_only(args.model)
         try:
             proc = mf.Processor.from_pretrained(args.model)
         except (OSError, ValueError) as e:
@@ -178,7 +178,7 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
     return proc, enc
 
 
-def _native_only(model: str) -> None:
+def native_only(model: str) -> None:
     """UsageError for a checkpoint only the library's generic family reads: the commands'
     service, file format and engines carry native families' items (grids, compact-u8)."""
     import json
