@@ -579,6 +579,24 @@ def test_a_model_that_cannot_be_built_is_one_line(tmp_path, monkeypatch, capsys)
     assert not out.exists()
 
 
+def test_a_generic_family_checkpoint_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    """A checkpoint without a native spec (Gemma 3) is refused before anything is built: the
+    command's file and engines carry native items only (the library reads it generically)."""
+    from mmferry.testing.families import save_family_checkpoint
+
+    _png(tmp_path / "a.png", 64, 64, 0)
+    model = save_family_checkpoint("gemma3", tmp_path / "gemma3")
+    capsys.readouterr()  # the builder's own progress output
+    out = tmp_path / "o.safetensors"
+    rc, stderr = _run_in_process(
+        monkeypatch, capsys, [str(tmp_path / "a.png"), "--out", str(out), "--model", str(model)]
+    )
+    assert rc == 2 and "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "model_type 'gemma3' has no native spec" in lines[0]
+    assert "generic family" in lines[0] and not out.exists()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_written_file_is_safetensors(tmp_path, dtype):
     """`encoded.write` streams what safetensors' own writer holds: same tensors and metadata,

@@ -154,6 +154,7 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
     check_device(args.device)
     dtype = getattr(torch, args.dtype)
     if args.model:
+        native_only(args.model)
         try:
             proc = mf.Processor.from_pretrained(args.model)
         except (OSError, ValueError) as e:
@@ -175,6 +176,26 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
             raise UsageError(str(e)) from None
     enc = mf.VisionEncoder.random(config=cfg, device=args.device, dtype=dtype)
     return proc, enc
+
+
+def native_only(model: str) -> None:
+    """UsageError for a checkpoint only the library's generic family reads: the commands'
+    service, file format and engines carry native families' items (grids, compact-u8)."""
+    import json
+    from pathlib import Path
+
+    from mmferry.models import supported_model_types
+    from mmferry.models.generic import uses_generic
+
+    if not uses_generic(model, None):
+        return
+    model_type = json.loads((Path(model) / "config.json").read_text()).get("model_type")
+    raise UsageError(
+        f"--model {quoted(model)}: model_type {model_type!r} has no native spec, and the "
+        f"commands carry native families only ({', '.join(supported_model_types())}); the "
+        "library reads it through the generic family (Processor.from_pretrained, "
+        "VisionEncoder.from_pretrained)"
+    )
 
 
 def with_options(proc, options: dict[str, Any]):  # -> Processor
