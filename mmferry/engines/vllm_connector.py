@@ -59,7 +59,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from mmferry.engines.cache_client import CacheClient, RowSpec, fetch_rows  # noqa: E402
 from mmferry.engines.presence import Presence  # noqa: E402
-from mmferry.proxy.router import Router  # noqa: E402
+from mmferry.routing import Router  # noqa: E402
 
 log = logging.getLogger("mmferry.connector")
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
