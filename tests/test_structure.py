@@ -76,10 +76,11 @@ def test_no_import_closes_a_cycle():
 
 # (lower, higher): packages the lower one never imports, in any form (type-only imports too:
 # they are dependencies the reader follows). The proxy and vLLM's connector share the router
-# from below (`mmferry.routing`); a benchmark builds its tower without the command line's
-# options.
+# from below (`mmferry.routing`); the service puts its store in front of its batcher, the
+# store knows no service; a benchmark builds its tower without the command line's options.
 LAYERED = [
     ("mmferry.engines", "mmferry.proxy"),
+    ("mmferry.store", "mmferry.server"),
     ("mmferry.bench", "mmferry.commands"),
 ]
 
