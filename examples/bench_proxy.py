@@ -279,7 +279,7 @@ def text_args(args: argparse.Namespace) -> list[str]:
 def multimodal(stack: Stack, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     targets = {"plain vLLM (pixels)": stack.plain.url, "proxy, connector mode": stack.front.url}
     repeat = [args.repeat_share, args.pool]
-    for i, url in enumerate(targets.values()):
+    for i, url in enumerate(targets.values() if args.warmup_prompts > 0 else ()):
         warmup = mm_args(args, args.warmup_prompts)
         bench(url, stack.model, WARMUP_SEED, warmup, repeat, tmp / f"warmup-{i}.json")
     runs: dict[str, list[dict]] = {name: [] for name in targets}
@@ -355,7 +355,7 @@ def main() -> None:
     p.add_argument("--model", type=Path, help="a Qwen-VL checkpoint (default: the tests' tiny one)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--num-prompts", type=int, default=40, help="multimodal requests per round")
-    p.add_argument("--warmup-prompts", type=int, default=8)
+    p.add_argument("--warmup-prompts", type=int, default=8, help="0: no warm-up round")
     p.add_argument("--request-rate", type=float, default=2.0, help="multimodal, req/s")
     p.add_argument("--images", type=int, default=4, help="per request")
     # 224 = 8 x 28: the tiny checkpoint's 64-token budget exactly, so neither side resamples

@@ -23,7 +23,6 @@ import torch
 from PIL import Image
 
 import mmferry as mf
-from mmferry.commands.model_args import shallow
 from mmferry.models import spec_for
 from mmferry.server.encoded import load_file
 from tests.preprocess import exif
@@ -90,7 +89,7 @@ def test_folder_with_one_corrupt_image(tmp_path):
     assert not [f for f in out.parent.iterdir() if f.name != out.name]  # no temporary left
 
     proc = mf.Processor.for_model("qwen3-vl", image_max_pixels=MAX_PIXELS)
-    enc = mf.VisionEncoder.random(config=shallow(spec_for("qwen3-vl").random_config, 1))
+    enc = mf.VisionEncoder.random(config=spec_for("qwen3-vl").random_config.with_depth(1))
     want = [proc.image(i.source, "compact-u8") for i in items]
     with torch.inference_mode():
         outs = enc(want)
@@ -333,7 +332,7 @@ def test_valid_jpeg_with_a_broken_exif_tag_is_encoded_upright(tmp_path):
     items = load_file(out)
     assert [Path(i.source).name for i in items] == ["a.png", "turned.jpg"]
     proc = mf.Processor.for_model("qwen3-vl")
-    enc = mf.VisionEncoder.random(config=shallow(spec_for("qwen3-vl").random_config, 1))
+    enc = mf.VisionEncoder.random(config=spec_for("qwen3-vl").random_config.with_depth(1))
     want = proc.image(upright, "compact-u8")
     assert items[1].grid_thw == want.grid_thw and want.grid_thw[1] > want.grid_thw[2]  # tall
     with torch.inference_mode():

@@ -457,13 +457,12 @@ def serve_baseline(depth: int | None) -> int:
 
     import mmferry as mf
     from mmferry.bench.encoder import hf_tower
-    from mmferry.commands.model_args import shallow
     from mmferry.models import preset, spec_for
     from mmferry.server.encoded import EncodedItem, to_bytes
 
     cfg = spec_for("qwen3-vl").random_config
     if depth:
-        cfg = shallow(cfg, depth)
+        cfg = cfg.with_depth(depth)
     model = hf_tower(mf.VisionEncoder.random(config=cfg), "cpu", torch.float32)
     p = preset("qwen3-vl")
     processor = baseline_processor()

@@ -21,7 +21,7 @@ from mmferry.proxy.answers import BadEncoderAnswer, encode_facts, loaded_rows
 from mmferry.proxy.config import ProxyConfig
 from mmferry.proxy.media import Encoded, Media, client_error
 from mmferry.proxy.metrics import ProxyMetrics
-from mmferry.proxy.router import Router
+from mmferry.routing import Router
 from mmferry.server.limits import RequestError
 
 log = logging.getLogger("mmferry.proxy")

@@ -11,8 +11,9 @@ On top of that ranking:
 - down marking: an encoder that failed is skipped until its next probe is due; each failed
   probe doubles the wait (up to `max_backoff_s`), a passed one brings it back.
 
-Pure: no I/O, no server dependency, so an engine's own connector can import it and find an
-item's encoder the way the proxy does (`mmferry.engines.vllm_connector`).
+Pure: no I/O, no import of mmferry, so it sits below both of its users, `mmferry proxy` (which
+places items on encoders) and vLLM's connector (`mmferry.engines.vllm_connector`, which finds an
+item's encoder the way the proxy placed it); `mmferry.proxy.Router` is this class.
 """
 
 from __future__ import annotations

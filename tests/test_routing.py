@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from mmferry.proxy.router import Router
+from mmferry.routing import Router
 
 URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 4)]
 KEYS = [hashlib.sha256(str(i).encode()).hexdigest()[:32] for i in range(3000)]
