@@ -28,6 +28,7 @@ from mmferry.proxy.encoders import EncoderPool
 from mmferry.proxy.forward import Answer, Upstream, relay, response_headers
 from mmferry.proxy.media import by_reference, find_media, rewrite
 from mmferry.proxy.metrics import ProxyMetrics
+from mmferry.proxy.paths import CanonicalPaths, engine_path
 from mmferry.server.app import import_fastapi
 from mmferry.server.bodies import check_caller, linger, read_body
 from mmferry.server.intake import Intake
@@ -150,7 +151,11 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         async def send(body: bytes) -> Answer:
             return Answer(
                 await state.upstream.send(
-                    request.method, request.url.path, request.url.query, request.headers, body
+                    request.method,
+                    engine_path(request.scope),
+                    request.scope.get("query_string", b"").decode("latin-1"),
+                    request.headers,
+                    body,
                 )
             )
 
@@ -259,4 +264,6 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
     other.__annotations__["request"] = fastapi.Request
     app.post(CHAT)(intake.route(chat))
     app.api_route("/{path:path}", methods=METHODS)(other)
+    # NOTE: routes are matched, and requests forwarded, by the path the engine will route.
+    app.add_middleware(CanonicalPaths, refuse=intake.refuse)
     return app
