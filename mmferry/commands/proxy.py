@@ -95,6 +95,26 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="a host[:port] whose http(s) media URLs are passed on to the encoders "
         "(repeatable; default: none)",
     )
+    p.add_argument(
+        "--pass-route",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a route whose body the engine reads media from (/v1/responses, /tokenize, "
+        "/v1/embeddings...), passed on unchecked; refused (403) by default (repeatable)",
+    )
+    p.add_argument(
+        "--allow-client-embeds",
+        action="store_true",
+        help="pass on the *_embeds parts clients send (rows and a uuid the client chose) "
+        "instead of refusing them (422)",
+    )
+    p.add_argument(
+        "--private-metrics",
+        action="store_true",
+        help="/metrics asks for the API key (MMFERRY_API_KEY) as the other routes do; "
+        "/health stays open",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="SIGTERM to exit")
     p.add_argument("--body-timeout", type=float, default=30.0, metavar="S", help="408 past it")
     add_intake_args(p)
@@ -135,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
             body_timeout_s=args.body_timeout,
             header_timeout_s=args.header_timeout,
             max_uploads=args.max_uploads,
+            pass_routes=tuple(args.pass_route),
+            allow_client_embeds=args.allow_client_embeds,
+            private_metrics=args.private_metrics,
         )
         state = ProxyState(config)
     except ValueError as e:

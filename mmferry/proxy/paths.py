@@ -46,6 +46,55 @@ def canonical(path: str) -> str:
     return "/" + "/".join(segments)
 
 
+# vLLM 0.32's routes whose body it reads media from (chat content parts, Responses and
+# Anthropic inputs, score and rerank content, Cohere images, pre-rendered multimodal features,
+# uploaded audio), other than the chat completions the proxy checks itself. Refused unless the
+# operator passes them (--pass-route).
+MEDIA_ROUTES = frozenset(
+    {
+        "/v1/chat/completions/batch",
+        "/v1/chat/completions/render",
+        "/v1/responses",
+        "/v1/responses/render",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/messages/render",
+        "/cohere/v2/chat",
+        "/cohere/v2/chat/render",
+        "/tokenize",
+        "/v1/embeddings",
+        "/v2/embed",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/inference/v1/generate",
+        "/v1/systemone",
+        "/invocations",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+        "/v1/realtime",
+    }
+)
+
+
+def refused_route(path: str, passed: tuple[str, ...]) -> RequestError | None:
+    """403 for a canonical `path` the engine reads media from that the proxy does not check
+    and the operator did not pass; None otherwise."""
+    if path not in MEDIA_ROUTES or path in passed:
+        return None
+    return RequestError(
+        403,
+        "route_refused",
+        f"{path} is not served through this proxy: the engine reads media from its body, which "
+        "the proxy does not check; send images and videos to /v1/chat/completions (an operator "
+        f"may pass the route on unchecked with --pass-route {path})",
+    )
+
+
 def engine_path(scope: dict[str, Any]) -> str:
     """The path to send the engine for a request whose path is canonical: percent-encoded, so
     that the engine's decoding gives it back exactly."""
