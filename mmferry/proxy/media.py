@@ -96,9 +96,29 @@ def _kind(raw: Any, i: int, j: int, allow_embeds: bool) -> str | None:
     return None if what == "embeds" else what
 
 
+# Request fields that change how vLLM loads and processes media (behind its
+# --trust-request-mm-kwargs): the encoders apply neither, so the rows would not be the ones
+# asked for, and an item sent as pixels under its uuid would not fit the rows the uuid names.
+ENGINE_MEDIA_OPTIONS = ("mm_processor_kwargs", "media_io_kwargs")
+
+
 def find_media(body: Any, policy: SourcePolicy, allow_embeds: bool = False) -> list[Media]:
     """The image and video parts of a chat completion body, in prompt order; a part the parser
     refuses is the client's error (its status, kind and message)."""
+    found = _find(body, policy, allow_embeds)
+    given = [k for k in ENGINE_MEDIA_OPTIONS if found and body.get(k)]
+    if given:
+        raise RequestError(
+            422,
+            "bad_request",
+            f"{' and '.join(given)} cannot go with images or videos through this proxy: its "
+            "encoders apply neither; set sizes and frame rates per item (resized_height, "
+            "max_pixels, fps, ...)",
+        )
+    return found
+
+
+def _find(body: Any, policy: SourcePolicy, allow_embeds: bool) -> list[Media]:
     messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list):
         return []  # not ours to judge: the engine answers

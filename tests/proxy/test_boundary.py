@@ -404,3 +404,13 @@ def test_a_held_item_without_keys_goes_as_pixels_under_its_uuid(half_held, engin
     assert held["type"] == "image_url" and held["image_url"] == {"url": PNG}
     assert held["uuid"].startswith("h0@") and set(held) == {"type", "image_url", "uuid"}
     assert unserved == UNSERVED
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"mm_processor_kwargs": {"max_pixels": 3136}}, {"media_io_kwargs": {"video": {"fps": 1}}}],
+)
+def test_engine_media_options_the_encoders_do_not_apply_are_a_422(front, engine, options):
+    doc = {**body({"type": "image_url", "image_url": {"url": PNG}}), **options}
+    error = refused(front, engine, CHAT, doc)
+    assert error["code"] == 422 and next(iter(options)) in error["message"]
