@@ -77,22 +77,28 @@ def route_key(part: MediaPart) -> str:
     return h.hexdigest()
 
 
-def _kind(raw: Any, i: int, j: int, allow_embeds: bool) -> str | None:
-    """The part's kind as media ("image", "video"), None for a part to pass as it is."""
-    where = f"message {i} part {j}"
+def part_kind(raw: Any, i: int, j: int, allow_embeds: bool = False) -> str | None:
+    """Message `i` part `j` as media: "image" or "video" (the parser's to check), None for a
+    part to pass as it is (text, or embeddings the operator allows); RequestError for a part
+    the proxy refuses."""
 
-    def bad(text: str, kind: str = "bad_request", status: int = 422) -> RequestError:
-        return RequestError(status, kind, f"{where}: {text}")
+    def bad(text: str, kind: str = "bad_request", status: int = 422) -> PartError:
+        return PartError(f"message {i} part {j}: {text}", kind=kind, status=status)
 
-    what = media_kind(raw, bad)
+    try:
+        what = media_kind(raw, bad)
+    except PartError as e:
+        raise refused(e) from None
     if what == "embeds" and not allow_embeds:
-        raise bad(
-            f"{media_name(raw)} parts (embeddings a client computed, named by a uuid it "
-            "chose) are not accepted; send the image or video itself "
-            "(an operator may allow them with --allow-client-embeds)"
+        raise refused(
+            bad(
+                f"{media_name(raw)} parts (embeddings a client computed, named by a uuid it "
+                "chose) are not accepted; send the image or video itself "
+                "(an operator may allow them with --allow-client-embeds)"
+            )
         )
     if what == "audio":
-        raise bad(f"{media_name(raw)} parts are not accepted: the encoders read images and videos")
+        raise refused(bad(f"{media_name(raw)} parts are not accepted: the encoders read images"))
     return None if what == "embeds" else what
 
 
@@ -128,7 +134,7 @@ def _find(body: Any, policy: SourcePolicy, allow_embeds: bool) -> list[Media]:
         if not isinstance(content, list):
             continue
         for j, raw in enumerate(content):
-            if _kind(raw, i, j, allow_embeds) is None:
+            if part_kind(raw, i, j, allow_embeds) is None:
                 continue
             try:
                 part = parse_part(raw, i, j, policy)[1]

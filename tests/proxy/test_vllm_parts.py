@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from mmferry.proxy.media import _kind
+from mmferry.proxy.media import part_kind
 from mmferry.server.limits import RequestError
 from tests.engines.conftest import needs_vllm
 from tests.engines.vllm_harness import VLLM_PYTHON, vllm_env
@@ -65,7 +65,7 @@ def test_every_part_vllm_reads_as_media_is_the_proxys(readings):
         if status != "read" or kind not in MEDIA_TYPES:
             continue
         try:
-            if _kind(part, 0, 0, allow_embeds=False) is None:
+            if part_kind(part, 0, 0) is None:
                 missed.append((part, kind))
         except RequestError:
             pass  # refused: the engine never gets it
