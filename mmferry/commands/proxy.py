@@ -4,11 +4,12 @@ Chat completions have their images and videos encoded by the `mmferry serve` enc
 item on the encoder its hash routes to, failing over to its next choices) and rewritten for the
 engine: grid-and-uuid parts for a vLLM whose `MmferryECConnector` loads the rows from the
 encoders (--mode connector), or embedding parts carrying the rows (--mode embeds, for
-`--enable-mm-embeds`). Items no encoder can serve go to the engine as their pixels. Everything
-else passes through unchanged, and answers stream back as they come. Keys come from the
-environment: MMFERRY_API_KEY (what clients send), MMFERRY_ENCODER_API_KEY (sent to the
-encoders), MMFERRY_LLM_API_KEY (sent to the engine; unset: the client's own header passes).
-SIGTERM or Ctrl-C drains and exits 0.
+`--enable-mm-embeds`). Items no encoder can serve go to the engine as their pixels (when vLLM
+reads them as the encoder did; else a 503). Other routes vLLM reads media from are refused
+unless passed (--pass-route). Everything else passes through unchanged, and answers stream
+back as they come. Keys come from the environment: MMFERRY_API_KEY (what clients send),
+MMFERRY_ENCODER_API_KEY (sent to the encoders), MMFERRY_LLM_API_KEY (sent to the engine;
+unset: the client's own header passes). SIGTERM or Ctrl-C drains and exits 0.
 """
 
 from __future__ import annotations
