@@ -206,7 +206,7 @@ def _check_forwarded_part(part: Any, mode: str) -> None:
 
 
 @settings(
-    max_examples=100,
+    max_examples=300,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
