@@ -31,6 +31,7 @@ class Answer:
     content_type: str = "application/json"
     delay_s: float = 0.0  # before the status line
     trickle_s: float = 0.0  # between the body's bytes (a slow, never-quite-late sender)
+    headers: dict[str, str] = field(default_factory=dict)  # beside content-type and -length
 
 
 Responder = Callable[[dict[str, Any]], Answer]
@@ -128,6 +129,12 @@ class LyingService:
             def log_message(self, *args: Any) -> None:
                 pass
 
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                # /health answers 200, as `mmferry serve`'s does, unless a test says otherwise.
+                up = js({"status": "ok"}) if self.path == "/health" else Answer(404, b"{}")
+                what = service.answers.get(self.path.rsplit("/", 1)[-1], up)
+                self._send(what(None) if callable(what) else what)
+
             def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
                 raw_body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 route = self.path.rsplit("/", 1)[-1]
@@ -137,12 +144,16 @@ class LyingService:
                     body = None
                 service.seen.append((route, {k.lower(): v for k, v in self.headers.items()}, body))
                 what = service.answers.get(route, Answer(404, b'{"error": "no such route"}'))
-                ans = what(body) if callable(what) else what
+                self._send(what(body) if callable(what) else what)
+
+            def _send(self, ans: Answer) -> None:
                 time.sleep(ans.delay_s)
                 try:
                     self.send_response(ans.status)
                     self.send_header("content-type", ans.content_type)
                     self.send_header("content-length", str(len(ans.body)))
+                    for name, value in ans.headers.items():
+                        self.send_header(name, value)
                     self.end_headers()
                     if ans.trickle_s:
                         for i in range(len(ans.body)):
