@@ -12,6 +12,8 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -104,6 +106,9 @@ def handle_json(handle: Any) -> dict[str, Any]:
 class LyingService:
     answers: dict[str, Answer | Responder] = field(default_factory=dict)
     seen: list[tuple[str, dict[str, str], Any]] = field(default_factory=list)
+    # (route, monotonic time) of each request whose client closed its connection while the
+    # answer was being held back (`delay_s`).
+    gone: list[tuple[str, float]] = field(default_factory=list)
     _server: ThreadingHTTPServer | None = None
 
     @property
@@ -133,7 +138,7 @@ class LyingService:
                 # /health answers 200, as `mmferry serve`'s does, unless a test says otherwise.
                 up = js({"status": "ok"}) if self.path == "/health" else Answer(404, b"{}")
                 what = service.answers.get(self.path.rsplit("/", 1)[-1], up)
-                self._send(what(None) if callable(what) else what)
+                self._send(what(None) if callable(what) else what, "health")
 
             def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
                 raw_body = self.rfile.read(int(self.headers.get("content-length", 0)))
@@ -144,10 +149,12 @@ class LyingService:
                     body = None
                 service.seen.append((route, {k.lower(): v for k, v in self.headers.items()}, body))
                 what = service.answers.get(route, Answer(404, b'{"error": "no such route"}'))
-                self._send(what(body) if callable(what) else what)
+                self._send(what(body) if callable(what) else what, route)
 
-            def _send(self, ans: Answer) -> None:
-                time.sleep(ans.delay_s)
+            def _send(self, ans: Answer, route: str) -> None:
+                if not self._wait(ans.delay_s):
+                    service.gone.append((route, time.monotonic()))
+                    return
                 try:
                     self.send_response(ans.status)
                     self.send_header("content-type", ans.content_type)
@@ -164,6 +171,20 @@ class LyingService:
                         self.wfile.write(ans.body)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up waiting, as it should
+
+            def _wait(self, delay_s: float) -> bool:
+                """Whether `delay_s` passed with the client still there (False: it closed
+                the connection meanwhile)."""
+                until = time.monotonic() + delay_s
+                while (left := until - time.monotonic()) > 0:
+                    if select.select([self.connection], [], [], left)[0]:
+                        try:
+                            if not self.connection.recv(1, socket.MSG_PEEK):
+                                return False
+                        except OSError:
+                            return False
+                        time.sleep(max(0.0, until - time.monotonic()))  # bytes, not a close
+                return True
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
