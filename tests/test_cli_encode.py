@@ -194,6 +194,46 @@ def test_interrupt_while_encoding_leaves_no_output(tmp_path, sig):
     assert not [f for f in tmp_path.iterdir() if f.suffix == ".tmp"]
 
 
+# A hook for the child process: the signal lands right after the batch's first worker thread
+# has started, before the next line of the start loop, and that thread's items run torch ops
+# for 3 s (a large resize), so it is inside torch whenever the command could exit early.
+_SIGNAL_AS_THE_THREADS_START = """
+import os, threading, time
+import torch
+import mmferry.preprocess.batch as batch
+real_start, real_run = threading.Thread.start, batch._run_part
+def start(self):
+    real_start(self)
+    if self.name.startswith("mmferry-batch"):
+        os.kill(os.getpid(), SIGNUM)
+def run_part(*args):
+    if threading.current_thread().name.startswith("mmferry-batch"):
+        a, until = torch.rand(256, 256), time.monotonic() + 3
+        while time.monotonic() < until:
+            a = torch.tanh(a @ a)
+    return real_run(*args)
+threading.Thread.start, batch._run_part = start, run_part
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupt_while_the_threads_start_leaves_no_thread_running(tmp_path, sig):
+    """An interrupt between two thread starts waits for the started thread's item: returned at
+    once, the command exited while that thread was inside a torch op, and CPython's exit of
+    a daemon thread that wants the GIL back ran through torch's GIL guard: "terminate called
+    without an active exception", exit -6."""
+    for i in range(8):
+        _png(tmp_path / f"{i}.png", 64, 64, i)
+    out = tmp_path / "out.safetensors"
+    args = [str(tmp_path / "*.png"), "--out", str(out), "--depth", "1", "--threads", "2"]
+    code = _SIGNAL_AS_THE_THREADS_START.replace("SIGNUM", str(int(sig)))
+    p = _encode(args, tmp_path, code=code)
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr
+    assert "interrupted; nothing written" in stderr and "Traceback" not in stderr
+    assert not out.exists()
+
+
 # A hook for the child process: the writer stops halfway through the output, says so on stderr,
 # and waits 1.5 s before writing the rest, so the test's signal lands inside the write.
 _PAUSE_IN_WRITE = """

@@ -102,6 +102,21 @@ def test_down_encoders_are_skipped_and_probed_with_backoff():
     assert r.capacity() == 0
 
 
+def test_an_encoder_that_asked_for_time_is_not_probed_before_it():
+    r = Router(URLS, backoff_s=1.0, max_backoff_s=30.0)
+    busy = r.choices(KEYS[0])[0]
+    r.mark_down(busy, now=100.0, hold_s=5.0)  # a 429 with Retry-After: 5
+    assert r.due(now=101.0) == []  # not at the first failure's 1 s
+    assert r.due(now=105.0) == [busy]
+    r.mark_down(busy, now=105.0)  # the probe failed: the doubled backoff, no hold
+    assert r.encoders[busy].probe_at == 107.0
+    r.mark_down(busy, now=105.5, hold_s=10.0)  # another call's 429 meanwhile: held longer
+    assert r.encoders[busy].probe_at == 115.5
+    r.mark_up(busy)
+    r.mark_down(busy, now=200.0, hold_s=3600.0)  # capped at max_backoff_s
+    assert r.encoders[busy].probe_at == 230.0
+
+
 def test_bad_configurations_are_refused():
     with pytest.raises(ValueError, match="at least one"):
         Router([])

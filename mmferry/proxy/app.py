@@ -7,8 +7,10 @@ its byte limit (413) and `--body-timeout` (408), parsed as JSON (400; large bodi
 loop), a client gone mid-upload counted as 499. Every other route and method gets the key, the
 drain, the limit and the deadline, and passes its body on as it came, byte for byte. Only then
 is a request admitted (past `--max-in-flight`, 503 with Retry-After). A request stays in flight
-until its answer has been streamed out, so SIGTERM drains streams too. Refusals take the
-engine's error shape (OpenAI's).
+until its answer has been streamed out, so SIGTERM drains streams too. A client that leaves
+before its answer starts cancels its request (server/disconnect.py, counted as 499): the
+encoders' requests and the engine's are closed, also while a stream is held back before its
+first token. Refusals take the engine's error shape (OpenAI's).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mmferry.proxy.metrics import ProxyMetrics
 from mmferry.proxy.paths import CanonicalPaths, engine_path, refused_route
 from mmferry.server.app import import_fastapi
 from mmferry.server.bodies import check_caller, linger, read_body
+from mmferry.server.disconnect import unless_disconnected
 from mmferry.server.intake import Intake
 from mmferry.server.limits import RequestError
 from mmferry.server.sources import source_policy
@@ -242,9 +245,14 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         try:
             # NOTE: no await from the read to the in-flight count (the drain's invariant).
             admit()
-            answer = await forward(request, raw, t0)
+            # A client that leaves before the engine's answer closes the engine's request.
+            answer = await unless_disconnected(request.receive, forward(request, raw, t0))
         except RequestError as e:
             return intake.refuse(e, request=request)
+        except ClientDisconnect:
+            metrics.errors.labels("client_disconnect").inc()
+            intake.count(request, 499)
+            return Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - one failing request must not stop the proxy
             log.exception("proxy request failed")
             err = RequestError(500, "internal", f"{type(e).__name__}: {e}")
