@@ -117,12 +117,14 @@ class Destinations:
         if len(entry.addresses) >= entry.count:
             entry.complete.set()
 
-    async def take(self, req_id: str) -> list[str]:
-        """Every rank's address, once all have registered (then forgotten); TimeoutError
-        after `wait_s`, with the entry forgotten."""
+    async def take(self, req_id: str) -> tuple[list[str], bool]:
+        """The ranks' addresses once all have registered, or those that did within `wait_s`,
+        and whether all did; the entry is forgotten."""
         entry = self._entry(req_id)
         try:
             await asyncio.wait_for(entry.complete.wait(), self.wait_s)
-            return list(entry.addresses)
+        except asyncio.TimeoutError:
+            pass
         finally:
             self._entries.pop(req_id, None)
+        return list(entry.addresses), entry.complete.is_set()

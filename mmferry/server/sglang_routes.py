@@ -193,14 +193,16 @@ class SglangRoutes:
         return not failed
 
     async def _to_scheduler(self, req: EncodeRequest, frames: list[Any], outcome: str) -> None:
-        """In the background: wait for the scheduler ranks' addresses, then push to each."""
-        try:
-            addresses = await self.destinations.take(req.part.req_id)
-        except asyncio.TimeoutError:
-            log.warning("no SGLang scheduler registered for %s in time", req.part.req_id)
+        """In the background: wait for the scheduler ranks' addresses, then push to each. Ranks
+        that registered while others never did get the error form, not SGLang's 180 s wait."""
+        addresses, complete = await self.destinations.take(req.part.req_id)
+        if not complete:
+            log.warning("not every SGLang scheduler rank registered for %s", req.part.req_id)
             self.parts.labels("zmq_to_scheduler", "undelivered").inc()
-            return
-        if await self._deliver("zmq_to_scheduler", addresses, frames):
+            missing = "not every scheduler rank registered its address in time"
+            frames = [error_message(req.part, missing, 504)]
+            outcome = "failed"
+        if addresses and await self._deliver("zmq_to_scheduler", addresses, frames):
             self.parts.labels("zmq_to_scheduler", outcome).inc()
 
     async def encode(self, request: Any, body: Any) -> Any:

@@ -190,3 +190,23 @@ def test_bad_registrations_are_400s(server, reg):
     full = {"req_id": "a", "receive_count": 1, "receive_url": "no-port"} if reg == {} else reg
     r = httpx.post(f"{server.url}/scheduler_receive_url", json=full, timeout=30)
     assert r.status_code == 400, r.text
+
+
+def test_destinations_wait_for_every_rank_then_give_what_came():
+    import asyncio
+
+    from mmferry.server.sglang_push import Destinations
+
+    async def run() -> None:
+        d = Destinations(wait_s=0.2)
+        d.register("a", 2, "h:1")
+        d.register("a", 2, "h:1")  # a rank posting twice is one rank
+        assert await d.take("a") == (["h:1"], False)  # the other never came
+        task = asyncio.ensure_future(d.take("b"))
+        await asyncio.sleep(0.01)
+        d.register("b", 2, "h:1")
+        d.register("b", 2, "h:2")
+        assert await task == (["h:1", "h:2"], True)
+        assert len(d) == 0
+
+    asyncio.run(run())
