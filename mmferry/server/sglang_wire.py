@@ -150,6 +150,7 @@ def _state(part: Part, **fields: Any) -> dict[str, Any]:
         "shape": None,
         "error_msg": None,
         "error_code": None,
+        "_mr_ptr": None,  # its Mooncake memory region: none for ZMQ
     }
     state.update(fields)
     return state
