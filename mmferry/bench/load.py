@@ -395,6 +395,9 @@ def baseline_processor() -> Any:
     from mmferry.models import preset
 
     try:
+        # NOTE: torchvision itself is asked: transformers' module may already be imported
+        # with stand-ins for it (the tests' oracles do that).
+        import torchvision  # noqa: F401
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import (
             Qwen2VLImageProcessor as Default,
         )
