@@ -17,12 +17,11 @@ from typing import Any
 import httpx
 import pytest
 import torch
+import zmq  # pyzmq, a dev dependency (the sglang extra): missing is a failure
 
 from mmferry.server.sglang_wire import EMBEDDING_DATA, MODALITY
 
 from .conftest import Server, start_server
-
-zmq = pytest.importorskip("zmq")
 
 
 class EmbeddingData:
