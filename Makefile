@@ -6,7 +6,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench format vllm-venv mooncake-venv sglang-venv
+.PHONY: demo test lint bench format vllm-venv mooncake-venv sglang-venv vllm-next
 
 # vLLM's own environment for the engine tests (tests/engines): the CPU build of vLLM, whose
 # pinned CPU torch comes without torchvision, so torch and torchvision are put back as a pair.
@@ -63,10 +63,29 @@ $(SGLANG_STAMP):
 
 sglang-venv: $(SGLANG_STAMP)
 
+# The encoder-cache connector API of the vLLM release GPU users install (the registry's `vllm`,
+# a CUDA build): its wheel fetched without dependencies and only that API's sources kept, for
+# tests/engines/test_connector_api.py to hold MmferryECConnector against it. Nothing imports it.
+VLLM_NEXT ?= .vllm-next
+VLLM_NEXT_VERSION ?= 0.33.0
+VLLM_NEXT_STAMP := $(VLLM_NEXT)/.installed
+
+$(VLLM_NEXT_STAMP): | $(STAMP)
+	rm -rf $(VLLM_NEXT) && mkdir -p $(VLLM_NEXT)
+	$(PY) -m pip download -q --no-deps --only-binary :all: -d $(VLLM_NEXT)/wheel \
+		vllm==$(VLLM_NEXT_VERSION)
+	$(PY) -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+		[z.extract(n, sys.argv[2]) for n in z.namelist() if n.startswith(sys.argv[3])]' \
+		$(VLLM_NEXT)/wheel/vllm-*.whl $(VLLM_NEXT) vllm/distributed/ec_transfer/ec_connector/
+	rm -rf $(VLLM_NEXT)/wheel
+	echo $(VLLM_NEXT_VERSION) > $@
+
+vllm-next: $(VLLM_NEXT_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m mmferry demo
 
-test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(SGLANG_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(SGLANG_STAMP) $(VLLM_NEXT_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)

@@ -367,7 +367,7 @@ def main() -> None:
     p.add_argument("--setups", default="a,b,c,c'", help="of " + ",".join(SETUPS))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=24, help="multimodal requests per run")
-    p.add_argument("--warmup-prompts", type=int, default=12)
+    p.add_argument("--warmup-prompts", type=int, default=12, help="0: none (give --rates)")
     p.add_argument("--rates", default="auto", help="two req/s, as LOW,HIGH, or auto")
     p.add_argument("--images", type=int, default=4, help="per request")
     # 224 = 8 x 28: the tiny checkpoint's 64-token budget exactly, so neither side resamples
@@ -375,7 +375,7 @@ def main() -> None:
     p.add_argument("--pool", type=int, default=8, help="the repeated images")
     p.add_argument("--input-len", type=int, default=64, help="random text tokens")
     p.add_argument("--output-len", type=int, default=8)
-    p.add_argument("--breakdown", type=int, default=6, help="requests, one at a time")
+    p.add_argument("--breakdown", type=int, default=6, help="requests, one at a time; 0: none")
     p.add_argument("--text", action="store_true", help="text-only, (c) directly and proxied")
     p.add_argument("--text-rate", type=float, default=4.0)
     p.add_argument("--kill", action="store_true", help="the encoder-kill runs, at the low rate")
@@ -388,6 +388,8 @@ def main() -> None:
     unknown = [k for k in keys if k not in SETUPS]
     if unknown:
         p.error(f"unknown set-ups {unknown}; choose from {list(SETUPS)}")
+    if args.rates == "auto" and args.warmup_prompts == 0:
+        p.error("--rates auto needs the warm-up: with --warmup-prompts 0 give --rates LOW,HIGH")
     # SIGTERM unwinds like Ctrl-C, so every process started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result: dict[str, Any] = {"command": sys.argv, "load": [os.getloadavg()]}
@@ -404,7 +406,7 @@ def main() -> None:
             try:
                 result["check"] = check_same(setups, model, args.images, args.image_size)
                 print(f"same tokens every way: {result['check']}", flush=True)
-                reached = warm_up(client, setups, args, tmp)
+                reached = warm_up(client, setups, args, tmp) if args.warmup_prompts else {}
                 if args.rates == "auto":
                     low = min(reached.values())
                     rates = [round(0.3 * low, 2), round(0.85 * low, 2)]
@@ -415,8 +417,9 @@ def main() -> None:
                 result["multimodal"] = multimodal(client, setups, args, rates, tmp)
                 result["load"].append(os.getloadavg())
                 save(result, args.json)  # a later step may fail; these figures stand
-                result["breakdown"] = breakdown(setups, model, args)
-                save(result, args.json)
+                if args.breakdown:
+                    result["breakdown"] = breakdown(setups, model, args)
+                    save(result, args.json)
                 if args.text and "c" in keys:
                     result["text"] = text_only(client, setups, args, tmp)
                 result["kill"] = kill_runs(client, setups, args, rates[0], tmp) if args.kill else {}

@@ -13,6 +13,7 @@ from mmferry.commands.model_args import (
     add_resize_args,
     check_device,
     load_error,
+    native_only,
     resize_options,
     with_options,
 )
@@ -38,6 +39,7 @@ def _demo(args: argparse.Namespace) -> int:
     check_device(args.device)
     options = resize_options(args)
     if args.model:
+        native_only(args.model)
         if args.max_pixels == DEMO_MAX_PIXELS:
             options.pop("max_pixels")  # a checkpoint keeps its own unless told
         try:

@@ -68,6 +68,21 @@ class VisionConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def with_depth(self, depth: int) -> VisionConfig:
+        """This tower cut to its first `depth` layers (all of them when it has no more), its
+        deepstack taps and full-attention blocks kept in range."""
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}")
+        if depth >= self.depth:
+            return self
+        clamp = lambda idx: tuple(sorted({min(i, depth - 1) for i in idx}))  # noqa: E731
+        return dataclasses.replace(
+            self,
+            depth=depth,
+            deepstack_visual_indexes=clamp(self.deepstack_visual_indexes),
+            fullatt_block_indexes=clamp(self.fullatt_block_indexes),
+        )
+
 
 @dataclass(frozen=True)
 class ProcessorConfig:

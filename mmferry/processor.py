@@ -13,6 +13,7 @@ from mmferry.models import load_model_config, preset, spec_for
 if TYPE_CHECKING:
     from mmferry.chat.apply import ChatPrompt
     from mmferry.chat.parts import SourcePolicy
+    from mmferry.models.generic import GenericProcessor
     from mmferry.prompt.expand import ExpandedPrompt
     from mmferry.prompt.mrope import Advance
     from mmferry.prompt.tokenizer import TimestampTokenizer
@@ -49,12 +50,20 @@ class Processor:
         return cls(apply_options(preset(name), overrides), tokenizer, chat_template=template)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, **overrides: Any) -> Processor:
+    def from_pretrained(
+        cls, model_dir: str | Path, *, family: str | None = None, **overrides: Any
+    ) -> Processor | GenericProcessor:
         """Read a local checkpoint folder's config.json, preprocessor configs and tokenizer.json
-        (the chat template too, when first used); `overrides` as in `for_model`."""
+        (the chat template too, when first used); `overrides` as in `for_model`.
+
+        A checkpoint without a native spec, or `family="generic"`, gets a `GenericProcessor`
+        (the folder's own transformers processor; `overrides` go to each of its calls)."""
         from mmferry.chat.options import apply_options
+        from mmferry.models.generic import GenericProcessor, uses_generic
 
         root = Path(model_dir)
+        if uses_generic(root, family):
+            return GenericProcessor.from_pretrained(root, **overrides)
         tokenizer = overrides.pop("tokenizer", None)
         template = overrides.pop("chat_template", None)
         if tokenizer is None and (root / "tokenizer.json").is_file():

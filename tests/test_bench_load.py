@@ -13,8 +13,13 @@ from mmferry.bench import load
 from mmferry.server.encoded import EncodedItem
 
 
-def test_the_distinct_workloads_repeat_no_image():
-    loads = {w.name: w for w in load.workloads()}
+@pytest.fixture(scope="module")
+def loads() -> list[load.Workload]:
+    return load.workloads()
+
+
+def test_the_distinct_workloads_repeat_no_image(loads):
+    loads = {w.name: w for w in loads}
     for name in ("all distinct", f"{load.PER_REQUEST} JPEGs each"):
         w = loads[name]
         sent = [j for request in w.seq for j in request]
@@ -26,18 +31,18 @@ def test_the_distinct_workloads_repeat_no_image():
     assert len(set(sizes)) == len(sizes)  # all-distinct sizes
 
 
-def test_the_headline_workload_is_the_all_distinct_one():
+def test_the_headline_workload_is_the_all_distinct_one(loads):
     # Repeats measure mostly the cache, which the transformers baseline lacks: they come second.
-    first, second = load.workloads()[:2]
+    first, second = loads[:2]
     assert first.name == "all distinct"
     assert len({j for r in first.seq for j in r}) == len(first.seq)
     assert "repeats" in second.name and "cache" in second.name
     assert len({j for r in second.seq for j in r}) < len(second.seq)
 
 
-def test_check_refuses_items_out_of_order_and_a_cache_over_its_bound():
+def test_check_refuses_items_out_of_order_and_a_cache_over_its_bound(loads):
     proc = mf.Processor.for_model("qwen3-vl")
-    w = load.workloads()[-1]
+    w = loads[-1]
     request = w.seq[0]
     expected = {j: proc.image(w.datas[j], "compact-u8") for j in request}
 
@@ -55,3 +60,36 @@ def test_check_refuses_items_out_of_order_and_a_cache_over_its_bound():
     run.responses[0] = [encoded(j) for j in reversed(request)]
     with pytest.raises(AssertionError, match="request 0"):
         load.check("reversed", run, [request], everything, hashes=True, cache_bytes=1000)
+
+
+def test_pixels_are_compared_with_the_baselines_processor_and_bounded_where_pillow_resizes(loads):
+    # Without torchvision (this environment's torch) transformers' default is its Pillow one.
+    processor = load.baseline_processor()
+    assert type(processor).__name__ == "Qwen2VLImageProcessorPil"
+    distinct = loads[0].datas[:4]  # 256x256, 320x240, 240x320, 384x256
+    # Sizes on the 32-pixel grid keep their pixels; the others are resized by two kernels
+    # that round apart by a level here and there.
+    assert load.pixels_agree(distinct, processor) == [True, False, False, True]
+    jpegs = loads[-1].datas[:3]
+    assert load.pixels_agree(jpegs, processor) == [False, False, False]
+
+
+def test_pixels_that_differ_beyond_resize_rounding_stop_the_benchmark(loads):
+    processor = load.baseline_processor()
+    processor.image_mean = [m + 0.01 for m in processor.image_mean]  # another normalisation
+    with pytest.raises(AssertionError, match="image 0: pixels differ"):
+        load.pixels_agree(loads[0].datas[:1], processor)
+
+
+def test_rows_are_compared_only_for_items_whose_pixels_agree():
+    def run(rows: torch.Tensor) -> load.Run:
+        r = load.Run()
+        r.responses[0] = [EncodedItem("image", rows, (), (1, 2, 2), 1, "")]
+        return r
+
+    ours, base = run(torch.zeros(1, 4)), run(torch.full((1, 4), 0.5))
+    assert load._agreement(ours, base, [(0,)], [False]) == 0.0
+    with pytest.raises(AssertionError, match="request 0"):
+        load._agreement(ours, base, [(0,)], [True])
+    close = run(torch.full((1, 4), load.ROWS_TOLERANCE / 2))
+    assert load._agreement(ours, close, [(0,)], [True]) == pytest.approx(load.ROWS_TOLERANCE / 2)

@@ -57,6 +57,16 @@ def test_folder_without_config_is_one_line(tmp_path, capsys):
     _one_line_error(capsys, ["demo", "--model", str(tmp_path)], "config.json", str(tmp_path))
 
 
+def test_a_generic_family_checkpoint_is_one_line(tmp_path, capsys):
+    """The demo runs native families only; a Gemma 3 folder says so and where it is read."""
+    from mmferry.testing.families import save_family_checkpoint
+
+    model = save_family_checkpoint("gemma3", tmp_path)
+    capsys.readouterr()  # the builder's own progress output
+    argv = ["demo", "--model", str(model)]
+    _one_line_error(capsys, argv, "model_type 'gemma3' has no native spec", "generic family")
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_device_without_cuda_is_one_line(capsys):
     _one_line_error(capsys, ["demo", "--device", "cuda"], "--device cuda", "torch")

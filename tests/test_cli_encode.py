@@ -23,7 +23,6 @@ import torch
 from PIL import Image
 
 import mmferry as mf
-from mmferry.commands.model_args import shallow
 from mmferry.models import spec_for
 from mmferry.server.encoded import load_file
 from tests.preprocess import exif
@@ -90,7 +89,7 @@ def test_folder_with_one_corrupt_image(tmp_path):
     assert not [f for f in out.parent.iterdir() if f.name != out.name]  # no temporary left
 
     proc = mf.Processor.for_model("qwen3-vl", image_max_pixels=MAX_PIXELS)
-    enc = mf.VisionEncoder.random(config=shallow(spec_for("qwen3-vl").random_config, 1))
+    enc = mf.VisionEncoder.random(config=spec_for("qwen3-vl").random_config.with_depth(1))
     want = [proc.image(i.source, "compact-u8") for i in items]
     with torch.inference_mode():
         outs = enc(want)
@@ -193,6 +192,46 @@ def test_interrupt_while_encoding_leaves_no_output(tmp_path, sig):
     assert "interrupted" in stderr
     assert not out.exists()
     assert not [f for f in tmp_path.iterdir() if f.suffix == ".tmp"]
+
+
+# A hook for the child process: the signal lands right after the batch's first worker thread
+# has started, before the next line of the start loop, and that thread's items run torch ops
+# for 3 s (a large resize), so it is inside torch whenever the command could exit early.
+_SIGNAL_AS_THE_THREADS_START = """
+import os, threading, time
+import torch
+import mmferry.preprocess.batch as batch
+real_start, real_run = threading.Thread.start, batch._run_part
+def start(self):
+    real_start(self)
+    if self.name.startswith("mmferry-batch"):
+        os.kill(os.getpid(), SIGNUM)
+def run_part(*args):
+    if threading.current_thread().name.startswith("mmferry-batch"):
+        a, until = torch.rand(256, 256), time.monotonic() + 3
+        while time.monotonic() < until:
+            a = torch.tanh(a @ a)
+    return real_run(*args)
+threading.Thread.start, batch._run_part = start, run_part
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupt_while_the_threads_start_leaves_no_thread_running(tmp_path, sig):
+    """An interrupt between two thread starts waits for the started thread's item: returned at
+    once, the command exited while that thread was inside a torch op, and CPython's exit of
+    a daemon thread that wants the GIL back ran through torch's GIL guard: "terminate called
+    without an active exception", exit -6."""
+    for i in range(8):
+        _png(tmp_path / f"{i}.png", 64, 64, i)
+    out = tmp_path / "out.safetensors"
+    args = [str(tmp_path / "*.png"), "--out", str(out), "--depth", "1", "--threads", "2"]
+    code = _SIGNAL_AS_THE_THREADS_START.replace("SIGNUM", str(int(sig)))
+    p = _encode(args, tmp_path, code=code)
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr
+    assert "interrupted; nothing written" in stderr and "Traceback" not in stderr
+    assert not out.exists()
 
 
 # A hook for the child process: the writer stops halfway through the output, says so on stderr,
@@ -333,7 +372,7 @@ def test_valid_jpeg_with_a_broken_exif_tag_is_encoded_upright(tmp_path):
     items = load_file(out)
     assert [Path(i.source).name for i in items] == ["a.png", "turned.jpg"]
     proc = mf.Processor.for_model("qwen3-vl")
-    enc = mf.VisionEncoder.random(config=shallow(spec_for("qwen3-vl").random_config, 1))
+    enc = mf.VisionEncoder.random(config=spec_for("qwen3-vl").random_config.with_depth(1))
     want = proc.image(upright, "compact-u8")
     assert items[1].grid_thw == want.grid_thw and want.grid_thw[1] > want.grid_thw[2]  # tall
     with torch.inference_mode():
@@ -577,6 +616,24 @@ def test_a_model_that_cannot_be_built_is_one_line(tmp_path, monkeypatch, capsys)
         "nothing written"
     ]
     assert not out.exists()
+
+
+def test_a_generic_family_checkpoint_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    """A checkpoint without a native spec (Gemma 3) is refused before anything is built: the
+    command's file and engines carry native items only (the library reads it generically)."""
+    from mmferry.testing.families import save_family_checkpoint
+
+    _png(tmp_path / "a.png", 64, 64, 0)
+    model = save_family_checkpoint("gemma3", tmp_path / "gemma3")
+    capsys.readouterr()  # the builder's own progress output
+    out = tmp_path / "o.safetensors"
+    rc, stderr = _run_in_process(
+        monkeypatch, capsys, [str(tmp_path / "a.png"), "--out", str(out), "--model", str(model)]
+    )
+    assert rc == 2 and "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "model_type 'gemma3' has no native spec" in lines[0]
+    assert "generic family" in lines[0] and not out.exists()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

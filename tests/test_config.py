@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import mmferry as mf
-from mmferry.models import PRESETS, SUPPORTED_MODEL_TYPES, load_model_config
+from mmferry.models import PRESETS, SUPPORTED_MODEL_TYPES, load_model_config, spec_for
 
 
 def _save(cfg, tmp_path):
@@ -118,3 +118,17 @@ def test_item_invariants():
         mf.MultimodalItem("image", f, (1, 4, 6), "hf", "0" * 32)
     with pytest.raises(ValueError, match="uint8"):
         mf.MultimodalItem("image", f, (1, 4, 4), "compact-u8", "0" * 32)
+
+
+def test_with_depth_keeps_the_taps_in_range():
+    """A tower cut to its first layers keeps a deepstack tap and a full-attention block inside
+    them (each clamped to the last layer kept), and is the same tower when not cut."""
+    qwen3 = spec_for("qwen3-vl").random_config
+    assert qwen3.deepstack_visual_indexes and min(qwen3.deepstack_visual_indexes) >= 2
+    cut = qwen3.with_depth(2)
+    assert (cut.depth, cut.deepstack_visual_indexes) == (2, (1,))
+    assert qwen3.with_depth(qwen3.depth) is qwen3 and qwen3.with_depth(99) is qwen3
+    windowed = spec_for("qwen2.5-vl").random_config
+    assert windowed.with_depth(3).fullatt_block_indexes == (2,)
+    with pytest.raises(ValueError, match="at least 1"):
+        qwen3.with_depth(0)

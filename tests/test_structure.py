@@ -74,6 +74,29 @@ def test_no_import_closes_a_cycle():
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
+# (lower, higher): packages the lower one never imports, in any form (type-only imports too:
+# they are dependencies the reader follows). The proxy and vLLM's connector share the router
+# from below (`mmferry.routing`); the service puts its store in front of its batcher, the
+# store knows no service; a benchmark builds its tower without the command line's options.
+LAYERED = [
+    ("mmferry.engines", "mmferry.proxy"),
+    ("mmferry.store", "mmferry.server"),
+    ("mmferry.bench", "mmferry.commands"),
+]
+
+
+def test_lower_packages_import_no_higher_one():
+    modules = _modules_of(PKG)
+    up = []
+    for lower, higher in LAYERED:
+        for module, path in sorted(modules.items()):
+            if module != lower and not module.startswith(lower + "."):
+                continue
+            for line, target, _ in _targets(path, module, higher):
+                up.append(f"{path.relative_to(PKG.parent)}:{line} imports {target}")
+    assert not up, "\n".join(up)
+
+
 def _modules_of(pkg: Path) -> dict[str, Path]:
     """Module name -> file, for every module of the package in folder `pkg`."""
     out = {}

@@ -38,6 +38,8 @@ from mmferry.chat.sources import (
 __all__ = [
     "IMAGE_KEYS",
     "LIBRARY_POLICY",
+    "MEDIA_KEYS",
+    "MEDIA_TYPES",
     "PART_TYPES",
     "VIDEO_KEYS",
     "MediaPart",
@@ -46,6 +48,9 @@ __all__ = [
     "SourcePolicy",
     "parse_content",
     "parse_messages",
+    "check_values",
+    "media_kind",
+    "media_name",
     "parse_part",
     "read_part",
 ]
@@ -71,9 +76,30 @@ PART_TYPES: dict[str, tuple[str, tuple[str, ...]]] = {
     "image": ("image", ("image", "url", "path", "base64", "image_url")),
     "image_url": ("image", ("image_url", "url")),
     "input_image": ("image", ("image_url", "url")),
+    "image_pil": ("image", ("image_pil",)),
     "video": ("video", ("video", "url", "path", "video_url")),
     "video_url": ("video", ("video_url", "url")),
 }
+# What each reader takes as media, by part type and by key: mmferry's and qwen-vl-utils' forms,
+# and vLLM's chat parser (its `MM_PARSER_MAP`), which reads a part with no type, or one with a
+# `uuid` whatever its type, by the first of its media keys present (even one set to null: a
+# uuid alone names an item vLLM has cached). The kind is a modality mmferry encodes, or one
+# it does not read ("embeds": rows or tensors a client computed; "audio").
+MEDIA_TYPES: dict[str, str] = {
+    "image": "image",
+    "image_url": "image",
+    "input_image": "image",
+    "image_pil": "image",
+    "video": "video",
+    "video_url": "video",
+    "image_embeds": "embeds",
+    "video_embeds": "embeds",
+    "audio_embeds": "embeds",
+    "prompt_embeds": "embeds",
+    "audio_url": "audio",
+    "input_audio": "audio",
+}
+MEDIA_KEYS: dict[str, str] = {k: v for k, v in MEDIA_TYPES.items() if k != "input_image"}
 
 
 @dataclass(frozen=True)
@@ -131,8 +157,70 @@ def _type_of(part: Mapping[str, Any]) -> Any:
     kind = part.get("type")
     if kind is not None:
         return kind
-    # qwen-vl-utils reads parts by their media key; the Qwen templates do too.
-    return next((k for k in ("image", "image_url", "video", "text") if k in part), None)
+    # qwen-vl-utils reads parts by their media key; the Qwen templates and vLLM do too.
+    return next((k for k in MEDIA_KEYS if k in part), "text" if "text" in part else None)
+
+
+def media_kind(part: Any, bad: Bad) -> str | None:
+    """What `part` is as media for any reader of it (`MEDIA_TYPES`' kinds), None when no reader
+    takes it as media; `bad(...)` for a part two readers could read as different things: one
+    that names two media (keys or type and key), or a text part that names one (vLLM reads a
+    text part that has a `uuid` by its media key)."""
+    if not isinstance(part, Mapping):
+        return None
+    keys = [k for k in MEDIA_KEYS if k in part]
+    kind = part.get("type")
+    typed = MEDIA_TYPES.get(kind) if isinstance(kind, str) else None
+    if typed is not None:
+        # A typed part's own value keys (`url`, `path`...) count against its media keys.
+        own = [k for k in PART_TYPES.get(kind, ("", ()))[1] if k in part and k not in keys]
+        named = keys + own
+        if len(named) > 1 or (keys and MEDIA_KEYS[keys[0]] != typed):
+            raise bad(f"a {kind} part names its media once; this one has {', '.join(named)}")
+        return typed
+    if len(keys) > 1:
+        raise bad(f"a part names one medium; this one has {', '.join(keys)}")
+    if keys and kind is not None:
+        raise bad(
+            f"a part of type {shown(kind)} cannot carry {keys[0]!r} (it would be read as media "
+            "by its key); send the media as a part of its own"
+        )
+    return MEDIA_KEYS[keys[0]] if keys else None
+
+
+def media_name(part: Mapping[str, Any]) -> str:
+    """How a media part names its kind: its type, or its media key."""
+    kind = part.get("type")
+    if isinstance(kind, str) and kind in MEDIA_TYPES:
+        return kind
+    return next((k for k in MEDIA_KEYS if k in part), "media")
+
+
+def check_values(part: Any, bad: Bad) -> None:
+    """Every string of `part` a Unicode text (a lone surrogate, valid JSON as `"\\ud800"`,
+    cannot be encoded, hashed or sent on) and every number finite; 400 otherwise."""
+    stack = [part]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise bad(
+                        f"a string holds a lone surrogate ({value[e.start]!r} at position "
+                        f"{e.start}), which is no Unicode character",
+                        kind="bad_text",
+                        status=400,
+                    ) from None
+        elif isinstance(value, float):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise bad(f"a number is {value!r}; numbers must be finite", status=400)
+        elif isinstance(value, Mapping):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 def _check_options(part: Mapping[str, Any], modality: Modality, bad: Bad) -> dict[str, Any]:
@@ -232,6 +320,9 @@ def parse_part(
         part = {"type": "text", "text": part}
     if not isinstance(part, Mapping):
         raise bad(f"a part must be an object with a 'type', got {shown(part)}")
+    # NOTE: audio and embeddings are no types of PART_TYPES: refused below as unknown.
+    if media_kind(part, bad) is not None:
+        check_values(part, bad)
     kind = _type_of(part)
     if kind is None:
         raise bad(f"a part needs a 'type' ({', '.join(PART_TYPES)}) or an image or video key")
@@ -250,6 +341,8 @@ def parse_part(
         return {"type": "text", "text": found[1]}, None
     if found is None:
         raise bad(f"a {kind} part has no {modality}: expected one of {', '.join(keys)}")
+    if found[0] == "image_pil" and isinstance(found[1], str):
+        raise bad("image_pil holds a PIL image, not a string; send a URL as an image_url part")
     options = _check_options(part, modality, bad)  # type: ignore[arg-type]
     source = read_source(found[1], modality, policy, bad, found[0])  # type: ignore[arg-type]
     # The template sees the part in Qwen form with its keys (media as placeholders), as the

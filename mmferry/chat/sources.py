@@ -108,6 +108,7 @@ class Reference:
     scheme: Literal["data", "path", "remote"]
     # The base64 payload (data), the file's path (path, file: URLs unquoted), or the URL.
     value: str
+    media_type: str = ""  # a data: URL's, in lower case ("" for a bare base64 payload)
 
 
 def over_bytes(what: str, size: int, policy: SourcePolicy, bad: Bad) -> PartError:
@@ -151,14 +152,14 @@ def _data_url(url: str, modality: Modality, policy: SourcePolicy, bad: Bad) -> R
         )
     if "base64" not in params:
         raise bad("only base64 data: URLs are accepted", status=400)
-    return _base64(payload, policy, bad)
+    return _base64(payload, policy, bad, mime)
 
 
-def _base64(payload: str, policy: SourcePolicy, bad: Bad) -> Reference:
+def _base64(payload: str, policy: SourcePolicy, bad: Bad, media_type: str = "") -> Reference:
     size = len(payload) * 3 // 4
     if policy.max_bytes is not None and size > policy.max_bytes:
         raise over_bytes("its base64 payload", size, policy, bad)
-    return Reference("data", payload)
+    return Reference("data", payload, media_type)
 
 
 def _remote(url: str, policy: SourcePolicy, bad: Bad) -> Reference:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any
 
 from mmferry.commands import UsageError, quoted
-from mmferry.config import VisionConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -105,21 +103,6 @@ def resize_options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def shallow(cfg: VisionConfig, depth: int) -> VisionConfig:
-    """`cfg` cut to `depth` layers, its deepstack taps and full-attention blocks kept in range."""
-    if depth < 1:
-        raise ValueError(f"--depth must be at least 1, got {depth}")
-    if depth >= cfg.depth:
-        return cfg
-    clamp = lambda idx: tuple(sorted({min(i, depth - 1) for i in idx}))  # noqa: E731
-    return dataclasses.replace(
-        cfg,
-        depth=depth,
-        deepstack_visual_indexes=clamp(cfg.deepstack_visual_indexes),
-        fullatt_block_indexes=clamp(cfg.fullatt_block_indexes),
-    )
-
-
 def check_device(device: str) -> None:
     """UsageError for a device this torch build cannot reach (before any model is built)."""
     import torch
@@ -154,6 +137,7 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
     check_device(args.device)
     dtype = getattr(torch, args.dtype)
     if args.model:
+        native_only(args.model)
         try:
             proc = mf.Processor.from_pretrained(args.model)
         except (OSError, ValueError) as e:
@@ -169,12 +153,31 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
         return proc, enc
     cfg = spec_for(args.random).random_config
     if args.depth is not None:
-        try:
-            cfg = shallow(cfg, args.depth)
-        except ValueError as e:  # --depth 0 is a mistake, not "all layers"
-            raise UsageError(str(e)) from None
+        if args.depth < 1:  # --depth 0 is a mistake, not "all layers"
+            raise UsageError(f"--depth must be at least 1, got {args.depth}")
+        cfg = cfg.with_depth(args.depth)
     enc = mf.VisionEncoder.random(config=cfg, device=args.device, dtype=dtype)
     return proc, enc
+
+
+def native_only(model: str) -> None:
+    """UsageError for a checkpoint only the library's generic family reads: the commands'
+    service, file format and engines carry native families' items (grids, compact-u8)."""
+    import json
+    from pathlib import Path
+
+    from mmferry.models import supported_model_types
+    from mmferry.models.generic import uses_generic
+
+    if not uses_generic(model, None):
+        return
+    model_type = json.loads((Path(model) / "config.json").read_text()).get("model_type")
+    raise UsageError(
+        f"--model {quoted(model)}: model_type {model_type!r} has no native spec, and the "
+        f"commands carry native families only ({', '.join(supported_model_types())}); the "
+        "library reads it through the generic family (Processor.from_pretrained, "
+        "VisionEncoder.from_pretrained)"
+    )
 
 
 def with_options(proc, options: dict[str, Any]):  # -> Processor

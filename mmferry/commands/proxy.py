@@ -4,11 +4,12 @@ Chat completions have their images and videos encoded by the `mmferry serve` enc
 item on the encoder its hash routes to, failing over to its next choices) and rewritten for the
 engine: grid-and-uuid parts for a vLLM whose `MmferryECConnector` loads the rows from the
 encoders (--mode connector), or embedding parts carrying the rows (--mode embeds, for
-`--enable-mm-embeds`). Items no encoder can serve go to the engine as their pixels. Everything
-else passes through unchanged, and answers stream back as they come. Keys come from the
-environment: MMFERRY_API_KEY (what clients send), MMFERRY_ENCODER_API_KEY (sent to the
-encoders), MMFERRY_LLM_API_KEY (sent to the engine; unset: the client's own header passes).
-SIGTERM or Ctrl-C drains and exits 0.
+`--enable-mm-embeds`). Items no encoder can serve go to the engine as their pixels (when vLLM
+reads them as the encoder did; else a 503). Other routes vLLM reads media from are refused
+unless passed (--pass-route). Everything else passes through unchanged, and answers stream
+back as they come. Keys come from the environment: MMFERRY_API_KEY (what clients send),
+MMFERRY_ENCODER_API_KEY (sent to the encoders), MMFERRY_LLM_API_KEY (sent to the engine;
+unset: the client's own header passes). SIGTERM or Ctrl-C drains and exits 0.
 """
 
 from __future__ import annotations
@@ -95,6 +96,26 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="a host[:port] whose http(s) media URLs are passed on to the encoders "
         "(repeatable; default: none)",
     )
+    p.add_argument(
+        "--pass-route",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a route whose body the engine reads media from (/v1/responses, /tokenize, "
+        "/v1/embeddings...), passed on unchecked; refused (403) by default (repeatable)",
+    )
+    p.add_argument(
+        "--allow-client-embeds",
+        action="store_true",
+        help="pass on the *_embeds parts clients send (rows and a uuid the client chose) "
+        "instead of refusing them (422)",
+    )
+    p.add_argument(
+        "--private-metrics",
+        action="store_true",
+        help="/metrics asks for the API key (MMFERRY_API_KEY) as the other routes do; "
+        "/health stays open",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="SIGTERM to exit")
     p.add_argument("--body-timeout", type=float, default=30.0, metavar="S", help="408 past it")
     add_intake_args(p)
@@ -135,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
             body_timeout_s=args.body_timeout,
             header_timeout_s=args.header_timeout,
             max_uploads=args.max_uploads,
+            pass_routes=tuple(args.pass_route),
+            allow_client_embeds=args.allow_client_embeds,
+            private_metrics=args.private_metrics,
         )
         state = ProxyState(config)
     except ValueError as e:

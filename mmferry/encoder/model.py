@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,17 +19,13 @@ from mmferry.config import VisionConfig
 from mmferry.encoder.attention import get_attention
 from mmferry.encoder.layers import INPUT_KINDS, InputKind
 from mmferry.encoder.loader import assign_state, iter_vision_tensors
+from mmferry.encoder.output import VisionOutput
 from mmferry.feed.materialize import materialize_features
 from mmferry.items import MultimodalItem
 from mmferry.models import load_model_config, spec_for
 
-
-@dataclass(frozen=True)
-class VisionOutput:
-    """One item's vision embeddings [tokens, out_hidden] and Qwen3-VL deepstack rows."""
-
-    embeds: torch.Tensor
-    deepstack: tuple[torch.Tensor, ...] = ()
+if TYPE_CHECKING:
+    from mmferry.encoder.generic import GenericVisionEncoder
 
 
 def _random_state(tower: nn.Module, seed: int, dtype: torch.dtype, device: torch.device):
@@ -80,8 +76,19 @@ class VisionEncoder:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         attention: str = "sdpa",
-    ) -> VisionEncoder:
-        """Load only the vision tower of a local Qwen-VL checkpoint folder."""
+        family: str | None = None,
+    ) -> VisionEncoder | GenericVisionEncoder:
+        """Load only the vision tower of a local checkpoint folder: mmferry's own tower for a
+        family it has a spec for; else, or with `family="generic"`, the model's transformers
+        vision path (`GenericVisionEncoder`)."""
+        from mmferry.models.generic import uses_generic
+
+        if uses_generic(model_dir, family):
+            from mmferry.encoder.generic import GenericVisionEncoder
+
+            return GenericVisionEncoder.from_pretrained(
+                model_dir, device=device, dtype=dtype, attention=attention
+            )
         mc = load_model_config(model_dir)
         spec = spec_for(mc.model_type)
         device = torch.device(device)

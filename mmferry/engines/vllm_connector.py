@@ -29,7 +29,9 @@ item is asked for in the order rendezvous hashing of its routing key ranks them,
 `mooncake://` address the encoders publish to), items are also looked for in the store, where
 the existence check leases them, and read from it straight into a registered buffer, whichever
 encoder made them; what the store lacks comes from the service as with "auto" (`store_model`,
-`store_dtype`, `store_lease_s`: see `store_reader`).
+`store_dtype`, `store_lease_s`: see `store_reader`). The store is asked as a service is: each
+lookup answers within `lookup_timeout_s` or is "absent" (and the store left alone a moment),
+and the store's client connects in the background, items being absent from it until it is up.
 
 vLLM loads this module by path in its scheduler and worker processes; importing it without
 vLLM installed fails with a message naming what to install.
@@ -59,7 +61,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from mmferry.engines.cache_client import CacheClient, RowSpec, fetch_rows  # noqa: E402
 from mmferry.engines.presence import Presence  # noqa: E402
-from mmferry.proxy.router import Router  # noqa: E402
+from mmferry.routing import Router  # noqa: E402
 
 log = logging.getLogger("mmferry.connector")
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -99,11 +101,14 @@ def row_spec(model_config: Any) -> RowSpec:
     return RowSpec(int(model_config.get_inputs_embeds_size()) * (1 + levels), model_config.dtype)
 
 
-def store_reader(extra: dict[str, Any], model_config: Any) -> Any:
+def store_reader(
+    extra: dict[str, Any], model_config: Any, *, lookup_timeout_s: float, connect_wait_s: float
+) -> Any:
     """The `transport: mooncake` reader (mmferry/store/engine.py): the store's address, the
     model's identity (`store_model`: NAME@WEIGHTS as `mmferry serve --store` prints it, else
     computed from vLLM's checkpoint folder), the rows' dtype in the store (`store_dtype`, the
-    encoders' --dtype; default: the model's) and the store's lease (`store_lease_s`)."""
+    encoders' --dtype; default: the model's) and the store's lease (`store_lease_s`); a lookup's
+    deadline, and how long a worker's load waits for the client's connect."""
     from mmferry.store.engine import LEASE_S, StoreReader, identity_for
 
     url = extra.get("store")
@@ -121,6 +126,8 @@ def store_reader(extra: dict[str, Any], model_config: Any) -> Any:
         hidden=int(model_config.get_inputs_embeds_size()),
         deepstack=levels,
         lease_s=_seconds(extra, "store_lease_s", LEASE_S),
+        lookup_timeout_s=lookup_timeout_s,
+        connect_wait_s=connect_wait_s,
     )
 
 
@@ -187,7 +194,12 @@ class MmferryECConnector(ECConnectorBase):
         self._store = None
         self._store_presence = None
         if transport == "mooncake":
-            self._store = store_reader(extra, vllm_config.model_config)
+            self._store = store_reader(
+                extra,
+                vllm_config.model_config,
+                lookup_timeout_s=lookup_timeout_s,
+                connect_wait_s=self._timeout_s,
+            )
             self._store_presence = Presence(self._store)
         self._to_load: dict[str, int] = {}
         self._unavailable: set[str] = set()  # requests to fail: an item nobody can supply

@@ -201,37 +201,54 @@ def process_batch(
 
 
 def _run_workers(worker: Callable[[], None], count: int, stop: Callable[[], object]) -> None:
-    """`worker` on `count` threads, the calling thread one of them; returns when all end.
+    """`worker` on `count` threads, the calling thread one of them; returns once every thread
+    started has returned from `worker`.
 
-    An interrupt (Ctrl-C) in the calling thread calls `stop` and is raised only once every
-    worker has returned: the running items finish, nothing more starts. NOTE: a thread still in
-    native code (a torch op, a decode) when the interpreter exits is torn down mid-call, which
-    can abort the process."""
-    ended = [threading.Event() for _ in range(count - 1)]
+    An interrupt (Ctrl-C) in the calling thread, wherever it lands (while the threads start
+    too), calls `stop` and is raised only once no worker is inside a job: the running items
+    finish, nothing more starts. NOTE: a thread still in native code (a torch op, a decode)
+    when the interpreter exits is torn down mid-call: CPython ends a daemon thread that wants
+    the GIL back once finalization began, and inside a torch call (its GIL guard's destructor)
+    that aborts the process ("terminate called without an active exception")."""
+    idle = threading.Condition()
+    working = entered = started = 0  # threads inside `worker`; that entered it; started
 
-    def run(event: threading.Event) -> None:
+    def run() -> None:
+        nonlocal working, entered
+        with idle:
+            working += 1
+            entered += 1
         try:
             worker()
         finally:
-            event.set()
+            with idle:
+                working -= 1
+                idle.notify_all()
 
-    for k, event in enumerate(ended):
-        threading.Thread(target=run, args=(event,), name=f"mmferry-batch-{k}", daemon=True).start()
     interrupt: BaseException | None = None
     try:
+        # NOTE: inside the try: an interrupt between two starts must still wait for the
+        # threads already started. One started but not counted (the interrupt landed as its
+        # start returned) finds the schedule stopped and takes no job, and one that took a job
+        # is counted in `working`, so waiting for `working` alone is enough then.
+        for k in range(count - 1):
+            threading.Thread(target=run, name=f"mmferry-batch-{k}", daemon=True).start()
+            started += 1
         worker()
-    except BaseException as e:  # noqa: BLE001 - raised below, once the other workers returned
+    except BaseException as e:  # noqa: BLE001 - raised below, once no worker is in a job
         interrupt = e
-    # NOTE: not Thread.join: a join interrupted by a signal marks the thread ended while it
-    # still runs (CPython 3.11 releases the thread's lock on the way out), and the next join
-    # returns at once. An Event can be waited on again.
-    while ended:
+    # NOTE: a Condition, not Thread.join: a join interrupted by a signal marks the thread
+    # ended while it still runs (CPython 3.11 releases the thread's lock on the way out), and
+    # the next join returns at once. A Condition can be waited on again.
+    while True:
         try:
-            while ended:
-                ended[-1].wait()
-                ended.pop()
-        except BaseException as e:  # noqa: BLE001 - a signal during the wait: wait on
+            if interrupt is not None:
+                stop()
+            with idle:
+                while working or entered < started:
+                    idle.wait()
+            break
+        except BaseException as e:  # noqa: BLE001 - a signal during the wait: stop, wait on
             interrupt = interrupt or e
-            stop()
     if interrupt is not None:
         raise interrupt

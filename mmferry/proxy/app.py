@@ -7,8 +7,10 @@ its byte limit (413) and `--body-timeout` (408), parsed as JSON (400; large bodi
 loop), a client gone mid-upload counted as 499. Every other route and method gets the key, the
 drain, the limit and the deadline, and passes its body on as it came, byte for byte. Only then
 is a request admitted (past `--max-in-flight`, 503 with Retry-After). A request stays in flight
-until its answer has been streamed out, so SIGTERM drains streams too. Refusals take the
-engine's error shape (OpenAI's).
+until its answer has been streamed out, so SIGTERM drains streams too. A client that leaves
+before its answer starts cancels its request (server/disconnect.py, counted as 499): the
+encoders' requests and the engine's are closed, also while a stream is held back before its
+first token. Refusals take the engine's error shape (OpenAI's).
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from typing import Any
 from mmferry.proxy.config import ProxyConfig
 from mmferry.proxy.encoders import EncoderPool
 from mmferry.proxy.forward import Answer, Upstream, relay, response_headers
-from mmferry.proxy.media import by_reference, find_media, rewrite
+from mmferry.proxy.media import as_pixels, by_reference, find_media, rewrite
 from mmferry.proxy.metrics import ProxyMetrics
+from mmferry.proxy.paths import CanonicalPaths, engine_path, refused_route
 from mmferry.server.app import import_fastapi
 from mmferry.server.bodies import check_caller, linger, read_body
+from mmferry.server.disconnect import unless_disconnected
 from mmferry.server.intake import Intake
 from mmferry.server.limits import RequestError
 from mmferry.server.sources import source_policy
@@ -111,17 +115,23 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
 
     @app.get("/health")
     async def health() -> Any:
+        # NOTE: open to probes without the key, so it names no address: the encoders are
+        # counted (/metrics names each, --private-metrics puts it behind the key).
+        up = sum(v == "up" for v in state.encoders.health().values())
         body = {
             "status": "draining" if state.draining else "ok",
             "mode": config.mode,
-            "llm": config.llm_url,
-            "encoders": state.encoders.health(),
+            "encoders": {"up": up, "down": len(config.encoder_urls) - up},
             "in_flight": state.in_flight,
         }
         return JSONResponse(body, status_code=503 if state.draining else 200)
 
-    @app.get("/metrics")
-    async def prometheus() -> Any:
+    async def prometheus(request: Any) -> Any:
+        if config.private_metrics:
+            try:
+                check_caller(request.headers, config.api_key, False)
+            except RequestError as e:
+                return intake.refuse(e, request=request)
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
@@ -150,7 +160,11 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         async def send(body: bytes) -> Answer:
             return Answer(
                 await state.upstream.send(
-                    request.method, request.url.path, request.url.query, request.headers, body
+                    request.method,
+                    engine_path(request.scope),
+                    request.scope.get("query_string", b"").decode("latin-1"),
+                    request.headers,
+                    body,
                 )
             )
 
@@ -209,6 +223,9 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         t0 = time.perf_counter()
         try:
             check_caller(request.headers, config.api_key, state.draining)
+            refusal = refused_route(request.scope["path"], config.pass_routes)
+            if refusal is not None:
+                raise refusal
             state.reading += 1
             try:
                 raw = await read_body(
@@ -228,9 +245,14 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         try:
             # NOTE: no await from the read to the in-flight count (the drain's invariant).
             admit()
-            answer = await forward(request, raw, t0)
+            # A client that leaves before the engine's answer closes the engine's request.
+            answer = await unless_disconnected(request.receive, forward(request, raw, t0))
         except RequestError as e:
             return intake.refuse(e, request=request)
+        except ClientDisconnect:
+            metrics.errors.labels("client_disconnect").inc()
+            intake.count(request, 499)
+            return Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - one failing request must not stop the proxy
             log.exception("proxy request failed")
             err = RequestError(500, "internal", f"{type(e).__name__}: {e}")
@@ -241,13 +263,15 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
     async def _encoded_body(body: Any) -> tuple[bytes, Retry | None]:
         """The chat body with its media encoded and rewritten (as it came when it has none),
         and, when some items go by reference, how to send it with pixels instead."""
-        media = find_media(body, state.policy)
+        media = find_media(body, state.policy, config.allow_client_embeds)
         if not media:
             return json.dumps(body).encode(), None
         answers = await encode_all(state, media)
         raw = json.dumps(rewrite(body, media, answers, config.mode)).encode()
         n = by_reference(media, answers, config.mode)
-        if not n:
+        if not n or not as_pixels(media):
+            # NOTE: an item vLLM cannot read as the encoder did is not sent again as pixels:
+            # the engine's own failure is the answer.
             return raw, None
 
         def pixels() -> bytes:
@@ -257,6 +281,10 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
 
     # NOTE: as in server/app.py, FastAPI needs the real class to hand the raw request over.
     other.__annotations__["request"] = fastapi.Request
+    prometheus.__annotations__["request"] = fastapi.Request
+    app.get("/metrics")(prometheus)
     app.post(CHAT)(intake.route(chat))
     app.api_route("/{path:path}", methods=METHODS)(other)
+    # NOTE: routes are matched, and requests forwarded, by the path the engine will route.
+    app.add_middleware(CanonicalPaths, refuse=intake.refuse)
     return app

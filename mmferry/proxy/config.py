@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mmferry.server.limits import Limits
+from mmferry.proxy.paths import canonical
+from mmferry.server.limits import Limits, RequestError
 
 MODES = ("connector", "embeds")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -34,6 +35,10 @@ class ProxyConfig:
     body_timeout_s: float = 30.0
     header_timeout_s: float = 10.0  # a request's headers must arrive within this (408)
     max_uploads: int = 64  # request bodies arriving at once; the next one gets 503
+    # Routes whose body the engine reads for media, passed on unchecked (the operator's call).
+    pass_routes: tuple[str, ...] = ()
+    allow_client_embeds: bool = False  # *_embeds parts a client sends reach the engine
+    private_metrics: bool = False  # /metrics asks for the API key as the other routes do
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -56,5 +61,12 @@ class ProxyConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
+        if self.private_metrics and not self.api_key:
+            raise ValueError("--private-metrics needs an API key (MMFERRY_API_KEY)")
+        try:
+            routes = tuple(canonical(r) for r in self.pass_routes)
+        except RequestError as e:
+            raise ValueError(f"--pass-route: {e.message}") from None
+        object.__setattr__(self, "pass_routes", routes)
         object.__setattr__(self, "llm_url", self.llm_url.rstrip("/"))
         object.__setattr__(self, "encoder_urls", tuple(u.rstrip("/") for u in self.encoder_urls))

@@ -1,12 +1,13 @@
 """`EncoderPool`: one item to the encoder its key routes to, failing over to its next choices.
 
-An encoder that refuses the connection, times out or answers 5xx is marked down and the item
-goes to its next choice; a background task probes down encoders' `/health` (with the router's
-backoff) and brings them back. An encoder's own refusal of the item (a 4xx: bad media, too
-large) is the client's answer. An answer that is not the protocol's (answers.py: malformed,
-lying facts, rows that do not fit) fails that encoder for the item, as a 5xx does, without
-marking it down. When no encoder can serve an item, or the one that encoded it does not hold
-it for the engine, the item goes to the engine as pixels (`None`).
+An encoder that refuses the connection, times out (or answers 408), is overloaded (429) or
+answers 5xx is marked down and the item goes to its next choice; it is not probed again before
+the Retry-After it answered has passed. A background task probes down encoders' `/health`
+(with the router's backoff) and brings them back. An encoder's own refusal of the item (any
+other 4xx: bad media, too large) is the client's answer. An answer that is not the protocol's
+(answers.py: malformed, lying facts, rows that do not fit) fails that encoder for the item, as
+a 5xx does, without marking it down. When no encoder can serve an item, or the one that encoded
+it does not hold it for the engine, the item goes to the engine as pixels (`None`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import Any
 
@@ -21,11 +23,21 @@ from mmferry.proxy.answers import BadEncoderAnswer, encode_facts, loaded_rows
 from mmferry.proxy.config import ProxyConfig
 from mmferry.proxy.media import Encoded, Media, client_error
 from mmferry.proxy.metrics import ProxyMetrics
-from mmferry.proxy.router import Router
+from mmferry.routing import Router
 from mmferry.server.limits import RequestError
 
 log = logging.getLogger("mmferry.proxy")
 ENCODE = "/v1/cache/encode"
+
+
+def retry_after_s(value: str | None) -> float:
+    """A Retry-After header's delay in seconds; 0 when absent or not a number of seconds (an
+    HTTP date is not worth a clock comparison here: the probe's backoff applies)."""
+    try:
+        seconds = float(value) if value is not None else 0.0
+    except ValueError:
+        return 0.0
+    return seconds if math.isfinite(seconds) and seconds > 0 else 0.0
 
 
 class _Failed(Exception):
@@ -64,8 +76,8 @@ class EncoderPool:
                 await self._prober
         await self.http.aclose()
 
-    def _down(self, url: str) -> None:
-        self.router.mark_down(url)
+    def _down(self, url: str, hold_s: float = 0.0) -> None:
+        self.router.mark_down(url, hold_s=hold_s)
         self.metrics.encoder_up.labels(url).set(0)
 
     def _up(self, url: str) -> None:
@@ -75,8 +87,9 @@ class EncoderPool:
         self.metrics.encoder_up.labels(url).set(1)
 
     async def _post(self, url: str, route: str, body: dict[str, Any], media: Media) -> Any:
-        """The encoder's 200 response; RequestError for its refusal of the item (4xx);
-        _Failed when the encoder could not serve (it is marked down, except for a 401)."""
+        """The encoder's 200 response; RequestError for its refusal of the item (a 4xx but
+        408 and 429); _Failed when the encoder could not serve (marked down, except for a 401
+        or an answer not the protocol's)."""
         t0 = time.perf_counter()
         try:
             r = await self.http.post(url + route, json=body)
@@ -87,8 +100,11 @@ class EncoderPool:
             self.metrics.encoder_seconds.labels(url).observe(time.perf_counter() - t0)
         if r.status_code == 200:
             return r
-        if r.status_code >= 500:
-            self._down(url)
+        if r.status_code >= 500 or r.status_code in (408, 429):
+            # The encoder's fault, its timeout (408) or its overload (429, 503), never the
+            # client's: the item's next choice takes it, and this encoder is left alone until
+            # its probe, and for as long as it asked (Retry-After).
+            self._down(url, hold_s=retry_after_s(r.headers.get("retry-after")))
             raise _Failed(f"http_{r.status_code}", r.text[:200])
         if r.status_code == 401:
             # The proxy's key toward the encoders is wrong: the operator's fault, not the

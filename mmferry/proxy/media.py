@@ -1,13 +1,22 @@
 """A chat request's media parts: found with mmferry's content-part parser, keyed for routing,
 and rewritten for the engine once the encoders have answered.
 
-Only image and video parts are parsed (text, and parts of types mmferry does not read, such as
-audio, pass as they are). The parser runs with reads deferred: the proxy checks each source
-(its scheme, an allowed host, a data: URL's size) but reads nothing; the encoders read.
+Every part any reader takes as media is the parser's (`chat/parts.py`'s `media_kind`: typed
+or untyped, by its keys when it has a `uuid`, as vLLM's chat parser reads it): images and
+videos are parsed, checked and rewritten; audio, and embeddings a client computed (unless the
+operator allows them, `--allow-client-embeds`), are refused; text passes as it is. The parser
+runs with reads deferred: the proxy checks each source (its scheme, an allowed host, a data:
+URL's size) but reads nothing; the encoders read. Every media part the engine gets is built
+here, from the checked source alone: no key of the client's part rides along.
 
 vLLM refuses a request that mixes raw and embedding parts of one modality, so when any item of
 a modality must go as pixels, every item of that modality goes as pixels; in connector mode the
-ones an encoder holds keep their hash as uuid, and vLLM's connector still loads their rows.
+ones an encoder holds keep their hash as uuid, and vLLM's connector still loads their rows. An
+item goes as pixels only when vLLM would read it as the encoder did: its data: payload or its
+allowed http(s) URL, with no per-item key (vLLM applies none of qwen-vl-utils' sizes or frame
+counts, so it would plan other rows than the uuid names). A list of frames, a local path (the
+engine is never handed one) or an item with such keys cannot: the request is refused (503,
+naming the item) rather than answered from other pixels than the client sent.
 """
 
 from __future__ import annotations
@@ -18,11 +27,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mmferry.chat.parts import PART_TYPES, MediaPart, PartError, SourcePolicy, parse_part
+from mmferry.chat.parts import (
+    MediaPart,
+    PartError,
+    SourcePolicy,
+    media_kind,
+    media_name,
+    parse_part,
+)
+from mmferry.chat.sources import Reference
 from mmferry.server.limits import RequestError, over_limit
 from mmferry.server.sources import refused
-
-MEDIA_KEYS = ("image", "image_url", "video")  # a part without "type" is typed by these
 
 
 @dataclass(frozen=True)
@@ -62,18 +77,54 @@ def route_key(part: MediaPart) -> str:
     return h.hexdigest()
 
 
-def _is_media(raw: Any) -> bool:
-    if not isinstance(raw, dict):
-        return False
-    kind = raw.get("type")
-    if kind is None:
-        return any(k in raw for k in MEDIA_KEYS)
-    return isinstance(kind, str) and PART_TYPES.get(kind, ("text",))[0] != "text"
+def part_kind(raw: Any, i: int, j: int, allow_embeds: bool = False) -> str | None:
+    """Message `i` part `j` as media: "image" or "video" (the parser's to check), None for a
+    part to pass as it is (text, or embeddings the operator allows); RequestError for a part
+    the proxy refuses."""
+
+    def bad(text: str, kind: str = "bad_request", status: int = 422) -> PartError:
+        return PartError(f"message {i} part {j}: {text}", kind=kind, status=status)
+
+    try:
+        what = media_kind(raw, bad)
+    except PartError as e:
+        raise refused(e) from None
+    if what == "embeds" and not allow_embeds:
+        raise refused(
+            bad(
+                f"{media_name(raw)} parts (embeddings a client computed, named by a uuid it "
+                "chose) are not accepted; send the image or video itself "
+                "(an operator may allow them with --allow-client-embeds)"
+            )
+        )
+    if what == "audio":
+        raise refused(bad(f"{media_name(raw)} parts are not accepted: the encoders read images"))
+    return None if what == "embeds" else what
 
 
-def find_media(body: Any, policy: SourcePolicy) -> list[Media]:
+# Request fields that change how vLLM loads and processes media (behind its
+# --trust-request-mm-kwargs): the encoders apply neither, so the rows would not be the ones
+# asked for, and an item sent as pixels under its uuid would not fit the rows the uuid names.
+ENGINE_MEDIA_OPTIONS = ("mm_processor_kwargs", "media_io_kwargs")
+
+
+def find_media(body: Any, policy: SourcePolicy, allow_embeds: bool = False) -> list[Media]:
     """The image and video parts of a chat completion body, in prompt order; a part the parser
     refuses is the client's error (its status, kind and message)."""
+    found = _find(body, policy, allow_embeds)
+    given = [k for k in ENGINE_MEDIA_OPTIONS if found and body.get(k)]
+    if given:
+        raise RequestError(
+            422,
+            "bad_request",
+            f"{' and '.join(given)} cannot go with images or videos through this proxy: its "
+            "encoders apply neither; set sizes and frame rates per item (resized_height, "
+            "max_pixels, fps, ...)",
+        )
+    return found
+
+
+def _find(body: Any, policy: SourcePolicy, allow_embeds: bool) -> list[Media]:
     messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list):
         return []  # not ours to judge: the engine answers
@@ -83,7 +134,7 @@ def find_media(body: Any, policy: SourcePolicy) -> list[Media]:
         if not isinstance(content, list):
             continue
         for j, raw in enumerate(content):
-            if not _is_media(raw):
+            if part_kind(raw, i, j, allow_embeds) is None:
                 continue
             try:
                 part = parse_part(raw, i, j, policy)[1]
@@ -122,25 +173,43 @@ def _embeds_part(facts: dict[str, Any], rows: Any) -> dict[str, Any]:
     return content_part(item)
 
 
+def pixel_source(media: Media) -> str:
+    """The URL under which vLLM reads the item as the encoder did; `NotAsPixels` when there is
+    none."""
+    m, part = media.modality, media.part
+    if part.options:
+        keys = ", ".join(sorted(part.options))
+        raise NotAsPixels(media, f"vLLM does not apply its per-item keys ({keys})")
+    if not isinstance(part.source, Reference):
+        raise NotAsPixels(media, "a list of frames has no URL vLLM reads")
+    ref = part.source
+    if ref.scheme == "path":
+        raise NotAsPixels(media, "the engine is not handed local paths")
+    if ref.scheme == "remote":
+        return ref.value  # an allowed host's URL, as checked
+    # NOTE: vLLM reads a video/jpeg data: URL as JPEG frames joined by commas, mmferry as one
+    # file; any other media type is one file to both.
+    kind = ref.media_type if ref.media_type.startswith(f"{m}/") else f"{m}/*"
+    if kind == "video/jpeg":
+        kind = "video/*"
+    return f"data:{kind};base64,{ref.value}"
+
+
+class NotAsPixels(Exception):
+    """An item vLLM cannot be given as pixels that it would read as the encoder did."""
+
+    def __init__(self, media: Media, why: str) -> None:
+        super().__init__(f"{media.part.where} cannot go to the engine as pixels: {why}")
+        self.media = media
+
+
 def pixel_part(media: Media, uuid: str | None = None) -> dict[str, Any]:
-    """The item as the engine reads pixels: the client's part (an OpenAI `image_url` or
-    `video_url` as it came; a Qwen-form part as the OpenAI one), with `uuid` when given."""
-    raw, m = media.raw, media.modality
-    if raw.get("type") in ("image_url", "video_url", "input_image"):
-        part = dict(raw)
-    else:
-        value = next((raw[k] for k in (m, "url", "path", "base64", f"{m}_url") if raw.get(k)), None)
-        if isinstance(value, dict):
-            value = value.get("url")
-        if "base64" in raw and value is raw.get("base64"):
-            value = f"data:{m}/*;base64,{value}"
-        elif isinstance(value, str) and value.startswith("/"):
-            value = "file://" + value
-        part = {"type": f"{m}_url", f"{m}_url": {"url": value}}
+    """The item as the engine reads pixels (an OpenAI `image_url` or `video_url` part built from
+    its checked source alone), with `uuid` when given; `NotAsPixels` when it cannot be."""
+    m = media.modality
+    part: dict[str, Any] = {"type": f"{m}_url", f"{m}_url": {"url": pixel_source(media)}}
     if uuid is not None:
         part["uuid"] = uuid
-    else:
-        part.pop("uuid", None)
     return part
 
 
@@ -187,13 +256,43 @@ def rewrite(
             # NOTE: in connector mode a held item keeps its uuid: the connector loads its rows
             # and the engine only preprocesses (and pins are released by that load).
             held = answer is not None and mode == "connector" and not pixels_only
-            new = pixel_part(m, uuid(answer, m) if held else None)
+            try:
+                new = pixel_part(m, uuid(answer, m) if held else None)
+            except NotAsPixels as e:
+                raise _no_pixels(e, media, answers) from None
         elif mode == "connector":
             new = _ref_part(answer.facts, uuid(answer, m))
         else:
             new = _embeds_part(answer.facts, answer.rows)
         messages[m.part.message_index]["content"][m.part.part_index] = new
     return {**body, "messages": messages}
+
+
+def _no_pixels(
+    e: NotAsPixels, media: Sequence[Media], answers: Sequence[Encoded | None]
+) -> RequestError:
+    """503 naming the item no encoder took and the one that cannot follow it as pixels."""
+    unserved = next(
+        (m for m, a in zip(media, answers) if a is None and m.modality == e.media.modality),
+        e.media,
+    )
+    why = str(e)
+    if unserved is not e.media:
+        why = (
+            f"{unserved.part.where} could not be encoded, so every {e.media.modality} of the "
+            f"request goes to the engine as pixels, and {why}"
+        )
+    return RequestError(503, "no_encoder", f"no encoder could take an item: {why}; retry later")
+
+
+def as_pixels(media: Sequence[Media]) -> bool:
+    """Whether every item can go to the engine as pixels (`pixel_source`)."""
+    try:
+        for m in media:
+            pixel_source(m)
+    except NotAsPixels:
+        return False
+    return True
 
 
 def client_error(status: int, text: str, media: Media) -> RequestError:

@@ -1,5 +1,5 @@
-"""The HTTP surface: `POST /v1/encode`, the cache routes (ec.py), `GET /health`, `GET /metrics`
-(FastAPI).
+"""The HTTP surface: `POST /v1/encode`, the cache routes (ec.py), SGLang's encoder routes
+(sglang_routes.py), `GET /health`, `GET /metrics` (FastAPI).
 
 Every POST route's request is read, checked and admitted by one path (intake.py): API key,
 drain, content type, body limit and deadline, JSON, then the queue for routes that encode, so a
@@ -17,6 +17,7 @@ from mmferry.server.bodies import LOCAL_HOSTS, RETRY_AFTER_S
 from mmferry.server.ec import add_cache_routes
 from mmferry.server.intake import Intake
 from mmferry.server.service import EncoderService
+from mmferry.server.sglang_routes import add_sglang_routes
 
 __all__ = ["RETRY_AFTER_S", "AppState", "create_app", "import_fastapi"]
 
@@ -62,6 +63,7 @@ def create_app(service: EncoderService, state: AppState | None = None) -> Any:
     async def lifespan(app: Any) -> AsyncIterator[None]:
         await service.start()
         yield
+        await sglang.close()
         await intake.json.close()
         await service.close()
 
@@ -99,4 +101,6 @@ def create_app(service: EncoderService, state: AppState | None = None) -> Any:
     app.post("/v1/encode")(intake.route(encode, encodes=True))
     # Engines' encoder-cache connectors: lookup by hash, pinned until loaded (server/ec.py).
     add_cache_routes(app, service, intake)
+    # SGLang's `--language-only --encoder-urls` servers: /encode, /scheduler_receive_url.
+    sglang = add_sglang_routes(app, service, intake)
     return app

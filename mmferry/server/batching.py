@@ -4,6 +4,8 @@ Requests hand their items over and await them. A cache hit is answered at once; 
 hash is already queued or being encoded joins that item's future (encoded once); the rest
 queue. One worker thread runs the encoder: while it is busy, new items pile up, and the next
 call takes as many as the patch budget allows (no fixed wait, so a lone request is not held).
+A `store` in front (`serve --store`: `mmferry.store.shared`) is asked for the items neither
+cached nor in flight before they queue, and given what was encoded once it is answered.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -24,6 +27,16 @@ from mmferry.items import MultimodalItem
 from mmferry.server.metrics import Metrics
 
 EncodeFn = Callable[[Sequence[MultimodalItem]], list[VisionOutput]]
+
+
+class Store(Protocol):
+    """A cache shared beyond this service, in front of its encoder."""
+
+    async def fill(self, items: Sequence[MultimodalItem], cache: EncoderCache) -> None:
+        """Put the store's rows of `items` (none cached, none in flight) in `cache`."""
+
+    def publish(self, items: Sequence[MultimodalItem], outs: Sequence[VisionOutput]) -> None:
+        """Hand over what was encoded (or found) for `items`, to share it."""
 
 
 @dataclass
@@ -50,10 +63,12 @@ class Batcher:
         *,
         max_batch_patches: int,
         batch_wait_s: float = 0.0,
+        store: Store | None = None,
     ) -> None:
         self._encode = encode
         self.cache = cache
         self.metrics = metrics
+        self.store = store
         # 0 turns batching off: every item is its own encoder call.
         self.max_batch_patches = max_batch_patches
         self.batch_wait_s = batch_wait_s
@@ -88,7 +103,18 @@ class Batcher:
         return len(self._pending)
 
     async def encode(self, items: Sequence[MultimodalItem]) -> list[VisionOutput]:
-        """Each item's output, from the cache, an identical item in flight, or a new batch."""
+        """Each item's output, from the cache, an identical item in flight, the store, or a new
+        batch."""
+        if self.store is None:
+            return await self._join(items)
+        wanted = [i for i in items if i.hash not in self.cache and i.hash not in self._inflight]
+        if wanted:
+            await self.store.fill(wanted, self.cache)
+        outs = await self._join(items)
+        self.store.publish(items, outs)
+        return outs
+
+    async def _join(self, items: Sequence[MultimodalItem]) -> list[VisionOutput]:
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[VisionOutput]] = []
         for it in items:

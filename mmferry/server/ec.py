@@ -68,6 +68,10 @@ class _Held:
     callers: dict[str, float] = field(default_factory=dict)
 
 
+def _nbytes(out: VisionOutput) -> int:
+    return sum(t.numel() * t.element_size() for t in (out.embeds, *out.deepstack))
+
+
 class Pins:
     """Rows callers were told are present, held per caller until loaded or `ttl_s` has passed.
 
@@ -76,13 +80,17 @@ class Pins:
     an item up and loaded nothing, its own cache having the item, must not be told a lapsing
     pin later); once the rows live only in pins it answers the time left and never extends it,
     so no caller keeps evicted rows for ever by asking again. A load releases only the loader's
-    pins. Rows the cache still holds cost nothing; `max_bytes`
-    bounds the pinned rows it no longer holds (`used_bytes`). A pin on rows outside the cache
-    never outlives the pins already holding them, so callers cannot hand such rows on to one
-    another. Rows the cache evicts while pinned count from then on: past `max_bytes` plus one
-    cache's worth of them, a lookup pins only rows already pinned and answers "absent" for
-    others (the engine then encodes itself) until some lapse; the pinned rows outside the cache
-    stay under `max_bytes` plus twice the cache's capacity."""
+    pins. Rows the cache still holds cost nothing; `max_bytes` bounds the pinned rows it no
+    longer holds (`used_bytes`). A pin on rows outside the cache never outlives the pins
+    already holding them, so callers cannot hand such rows on to one another; the encode
+    route's pin on them (the item encoded again) gets a full lifetime only within `max_bytes`.
+    When the cache holds rows under a key again (evicted while pinned, then encoded again), the
+    key's pins move onto those, the same item's rows: a new caller pins the cached rows and the
+    older ones are freed, never kept alive by a chain of new callers. Rows the cache evicts
+    while pinned count from then on: past `max_bytes` plus one cache's worth of them, a lookup
+    pins only rows already pinned and answers "absent" for others (the engine then encodes
+    itself) until some lapse; the pinned rows outside the cache stay under `max_bytes` plus
+    twice the cache's capacity."""
 
     def __init__(
         self,
@@ -129,6 +137,16 @@ class Pins:
             ]
             heapq.heapify(self._deadlines)
 
+    def _current(self, key: str) -> tuple[_Held | None, VisionOutput | None]:
+        """The key's pins and the rows the cache holds under it. Pins on rows the cache has
+        since replaced (evicted while pinned, then encoded again) move onto the cached rows,
+        the same item's by its hash: the older ones are freed, and no pin keeps them alive."""
+        held = self._held.get(key)
+        cached = self.cache.peek(key)
+        if held is not None and cached is not None and cached is not held.out:
+            held.out, held.nbytes = cached, _nbytes(cached)
+        return held, cached
+
     def _pin(
         self,
         key: str,
@@ -141,43 +159,48 @@ class Pins:
         counted here only when needed: None for not counted yet).
         `fresh` is rows just encoded (the encode route's pin), which may be larger than the
         cache."""
-        held = self._held.get(key)
-        cached = self.cache.peek(key)
+        held, cached = self._current(key)
         if held is not None and caller in held.callers:
-            if cached is None or cached is not held.out:
+            if cached is None:
                 return held.callers[caller] - now, used  # evicted: fixed, never extended
             deadline = now + self.ttl_s  # cached: renewed (the old heap entry is skipped)
             held.callers[caller] = deadline
             heapq.heappush(self._deadlines, (deadline, key, caller))
             return self.ttl_s, used
-        if held is not None:
-            out, cost = held.out, 0  # already counted (or in the cache)
-        elif cached is not None:
-            out, cost = cached, 0
-        elif fresh is not None:
-            out = fresh
-            cost = sum(t.numel() * t.element_size() for t in (out.embeds, *out.deepstack))
-        else:
-            return 0.0, used
         if self._count >= self.max_pins:
             return 0.0, used
-        # New rows from the cache cost nothing now, but the cache may evict them while
-        # pinned: past one cache's worth of such rows, none are pinned until some lapse.
-        limit = self.max_bytes + (self.cache.capacity_bytes if cached is not None else 0)
-        if held is None:
-            used = self.used_bytes if used is None else used
-            if used + cost > limit:
-                return 0.0, used
-            used += cost
-        if cached is not None or fresh is not None:
+        if cached is not None:
+            # The cache's rows cost nothing now, but the cache may evict them while pinned:
+            # past one cache's worth of such rows, none newly pinned until some lapse.
+            out = cached
+            if held is None:
+                used = self.used_bytes if used is None else used
+                if used > self.max_bytes + self.cache.capacity_bytes:
+                    return 0.0, used
             deadline = now + self.ttl_s
-        else:
+        elif held is not None:
             # Rows only pins hold: a new pin ends with the last of them, so handing them from
             # caller to caller never keeps them past the cache.
+            out = held.out
             deadline = max(held.callers.values())
+            if fresh is not None:
+                # Encoded again: a full pin within the budget, as new rows of the same bytes
+                # in their place would get (the held ones are counted already).
+                used = self.used_bytes if used is None else used
+                if used <= self.max_bytes:
+                    deadline = now + self.ttl_s
+        elif fresh is not None:
+            out = fresh
+            used = self.used_bytes if used is None else used
+            cost = _nbytes(fresh)
+            if used + cost > self.max_bytes:
+                return 0.0, used
+            used += cost
+            deadline = now + self.ttl_s
+        else:
+            return 0.0, used
         if held is None:
-            nbytes = sum(t.numel() * t.element_size() for t in (out.embeds, *out.deepstack))
-            held = self._held[key] = _Held(out, nbytes)
+            held = self._held[key] = _Held(out, _nbytes(out))
         held.callers[caller] = deadline
         self._count += 1
         heapq.heappush(self._deadlines, (deadline, key, caller))
@@ -216,8 +239,8 @@ class Pins:
         self._expire(now)
         rows = {}
         for key in dict.fromkeys(keys):
-            held = self._held.get(key)
-            out = held.out if held is not None else self.cache.peek(key)
+            held, cached = self._current(key)
+            out = held.out if held is not None else cached
             if out is not None:
                 rows[key] = out
         gone = [k for k in keys if k not in rows]

@@ -7,8 +7,9 @@ as JSON (400; large bodies in a child process, json_child.py), all the while cou
 before the whole body is in reads what the client is still sending, briefly, and closes the
 connection; a client gone mid-upload is counted as 499, kind client_disconnect. Only then does
 the route's handler run: a route that encodes is admitted first (503 when the queue is full)
-and counts as in flight, the others as serving. A handler's RequestError is answered with its
-status; any other exception is a 500 that leaves the server serving.
+and counts as in flight, the others as serving. A client that leaves before its answer cancels
+the handler (disconnect.py; 499, client_disconnect). A handler's RequestError is answered with
+its status; any other exception is a 500 that leaves the server serving.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from mmferry.server.bodies import (
     linger,
     read_body,
 )
+from mmferry.server.disconnect import unless_disconnected
 from mmferry.server.json_child import JsonChild
 from mmferry.server.limits import RequestError
 
@@ -138,9 +140,15 @@ class Intake:
             else:
                 state.serving += 1
             try:
-                result = await handler(request, body)
+                # A client that leaves cancels its request's work (disconnect.py).
+                result = await unless_disconnected(request.receive, handler(request, body))
             except RequestError as e:
                 return self.refuse(e, request=request)
+            except ClientDisconnect:
+                metrics.errors.labels("client_disconnect").inc()
+                self.count(request, 499)
+                log.info("client disconnected before its answer; its work was cancelled")
+                return Response(status_code=499)
             except Exception as e:  # noqa: BLE001 - one failing request must not stop the server
                 log.exception("%s failed", request.url.path)
                 err = RequestError(500, "internal", f"{type(e).__name__}: {e}")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mmferry.server.app import AppState, create_app
+from mmferry.server.heap import fix_malloc_thresholds
 from mmferry.server.protocol import header_deadline_protocol
 from mmferry.server.service import EncoderService
 
@@ -34,6 +35,7 @@ def import_uvicorn() -> Any:
 
 def serve(service: EncoderService, host: str, port: int, *, log_level: str = "warning") -> int:
     """Serve until a signal, then drain; returns the exit status."""
+    fix_malloc_thresholds()  # a long frame list must not grow what the process keeps
     state = AppState(service)
     app = create_app(service, state)
     cfg = service.config

@@ -125,12 +125,13 @@ class EncoderService:
         self.metrics.cache_bytes.set_function(lambda: self.cache.used_bytes)
         self.store = _shared_store(config, encoder, self.metrics)
         # `encode` replaces a plain encoder call (the sharded leader under torchrun).
-        self.batcher = (Batcher if self.store is None else self.store.batcher)(
+        self.batcher = Batcher(
             encode or encoder,
             self.cache,
             self.metrics,
             max_batch_patches=config.max_batch_patches,
             batch_wait_s=config.batch_wait_s,
+            store=self.store,
         )
         # Requests first come, first served; a request's items largest first (item_pool.py).
         self._pool = ItemPool(config.preprocess_threads)
@@ -331,7 +332,7 @@ def _shared_store(config: ServiceConfig, encoder: VisionEncoder, metrics: Metric
         return None
     from mmferry.store.shared import SharedStore
 
-    return SharedStore(config.store, encoder, config.model, metrics)
+    return SharedStore(config.store, encoder, config.model, metrics.registry)
 
 
 def _choice(options: dict[str, Any], name: str, default: str, allowed: Sequence[str]) -> str:

@@ -1,6 +1,14 @@
 """`StoreReader`: an engine's side of the store: which items it holds, and their rows read
 straight into a registered buffer, whichever encoder published them.
 
+The scheduler never waits on Mooncake beyond its lookup deadline: the client connects on a
+thread of its own, started with the reader (Mooncake's setup retries an absent master for about
+a minute and a half), and until it is up, or for `retry_s` after it failed, a lookup is a
+`StoreError` at once; each lookup runs on another thread and is a `StoreError` when it has not
+answered within `lookup_timeout_s` (and the next one too while it still runs). The connector's
+`Presence` reads any `StoreError` as "absent" and leaves the store alone for a while, as it
+does a service that is down or late.
+
 Presence comes with Mooncake's lease: asking whether a key exists leases the object for the
 master's `--default_kv_lease_ttl` (10 s by default), during which the store neither evicts nor
 removes it, so an item answered present stays loadable while the lease lasts (`lookup_pins`
@@ -14,9 +22,14 @@ is used; a bad or missing entry is left to the caller, which loads it another wa
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,7 +41,12 @@ log = logging.getLogger("mmferry.store")
 # twice, scheduler and worker, in one process when its engine core runs in-process).
 _CLIENTS: dict[StoreAddress, tuple[MooncakeStore, int]] = {}
 _CLIENTS_LOCK = threading.Lock()
+# One setup at a time per address, outside _CLIENTS_LOCK: a setup stuck on one master holds up
+# no other address, and no reader's close.
+_SETUPS: dict[StoreAddress, threading.Lock] = {}
 LEASE_S = 10.0  # Mooncake's default --default_kv_lease_ttl
+LOOKUP_TIMEOUT_S = 1.0  # as the connector's lookup of a service
+CONNECT_WAIT_S = 30.0  # how long a load waits for a connect in progress
 _HEADER_SLACK = 4096  # bytes read past an entry's rows for its prefix and JSON header
 
 
@@ -46,6 +64,37 @@ def identity_for(model: str) -> ModelIdentity:
     return ModelIdentity(name, weights)
 
 
+class _Caller:
+    """One daemon thread running calls in turn for callers that wait on each with a deadline;
+    a call stuck in Mooncake holds up neither its caller nor the process's exit."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple]] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self._calls.get()
+            if fn is None:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                future.set_exception(e)
+
+    def close(self) -> None:
+        self._calls.put((Future(), None, ()))  # type: ignore[arg-type]
+
+
 class StoreReader:
     """Presence and rows of items in a Mooncake Store, for one model, dtype and row layout."""
 
@@ -58,6 +107,8 @@ class StoreReader:
         hidden: int,
         deepstack: int,
         lease_s: float = LEASE_S,
+        lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
+        connect_wait_s: float = CONNECT_WAIT_S,
     ) -> None:
         self.address = StoreAddress.parse(url)
         import_mooncake()
@@ -67,38 +118,97 @@ class StoreReader:
         self.hidden = hidden
         self.deepstack = deepstack
         self.lease_s = lease_s
+        self.lookup_timeout_s = lookup_timeout_s
+        self.connect_wait_s = connect_wait_s
         self._store: MooncakeStore | None = None
-        self._connect_after = 0.0
         self._lock = threading.Lock()
+        self._closed = False
         self._buf: torch.Tensor | None = None
+        # NOTE: a connect and a lookup each on a thread of their own: a lookup never waits
+        # behind a connect, and the scheduler waits on neither past its deadline.
+        self._connector = _Caller("mmferry-store-connect")
+        self._lookups = _Caller("mmferry-store-lookup")
+        self._connect: Future | None = None
+        self._connect_after = 0.0
+        self._lookup: Future | None = None
+        self._connecting()  # in the background, while the engine starts
 
     def key(self, item_hash: str) -> str:
         return entry_key(item_hash, self.identity, self.dtype)
 
-    def _client(self) -> MooncakeStore:
+    # -- the client, connected in the background and again `retry_s` after a failure -------
+
+    def _connecting(self) -> Future:
+        """The connect in progress (or done), a new one when the last failed `retry_s` ago."""
         with self._lock:
-            if self._store is None:
-                if time.monotonic() < self._connect_after:
-                    raise StoreError("not connected")
+            f = self._connect
+            failed = f is not None and f.done() and f.exception() is not None
+            if f is None or (failed and time.monotonic() >= self._connect_after):
+                f = self._connect = self._connector.submit(self._open)
+            return f
+
+    def _open(self) -> MooncakeStore:
+        """On the connect thread: this process's client for the address (one per address)."""
+        with _CLIENTS_LOCK:
+            setup = _SETUPS.setdefault(self.address, threading.Lock())
+        try:
+            with setup:
                 with _CLIENTS_LOCK:
                     store, users = _CLIENTS.get(self.address, (None, 0))
-                    if store is None:
-                        try:
-                            store = MooncakeStore(self.address)
-                        except StoreError:
-                            self._connect_after = time.monotonic() + self.address.retry_s
-                            raise
-                    _CLIENTS[self.address] = (store, users + 1)
+                    if store is not None:
+                        _CLIENTS[self.address] = (store, users + 1)
+                if store is None:
+                    store = MooncakeStore(self.address)
+                    with _CLIENTS_LOCK:
+                        _CLIENTS[self.address] = (store, 1)
+        except Exception as e:  # noqa: BLE001 - whatever setup raises, the store is down
+            with self._lock:
+                self._connect_after = time.monotonic() + self.address.retry_s
+            if isinstance(e, StoreError):
+                raise
+            raise StoreError(f"cannot connect to {self.url}: {type(e).__name__}: {e}") from None
+        with self._lock:
+            if not self._closed:
                 self._store = store
-            return self._store
+                return store
+        _release(self.address)  # closed while connecting
+        raise StoreError("the reader is closed")
+
+    def ready(self, wait_s: float = 0.0) -> bool:
+        """Whether the client is connected, waiting at most `wait_s` for it."""
+        try:
+            self._client(wait_s)
+        except StoreError:
+            return False
+        return True
+
+    def _client(self, wait_s: float) -> MooncakeStore:
+        """The connected client, waiting at most `wait_s` for a connect; StoreError."""
+        store = self._store
+        if store is not None:
+            return store
+        try:
+            return self._connecting().result(timeout=wait_s)
+        except FutureTimeout:
+            raise StoreError(f"still connecting to {self.url}") from None
 
     # -- scheduler side -------------------------------------------------------------------
 
     def lookup_pins(self, hashes: list[str]) -> list[float]:
         """Per item, the seconds from this call it stays loadable (the lease; 0.0 when absent);
-        StoreError when the store cannot answer."""
-        store = self._client()
-        return [self.lease_s if store.exists(self.key(h)) else 0.0 for h in hashes]
+        StoreError when the store cannot answer within `lookup_timeout_s` (not connected yet,
+        left alone after an error, or late)."""
+        store = self._client(0.0)
+        keys = [self.key(h) for h in hashes]
+        with self._lock:
+            if self._lookup is not None and not self._lookup.done():
+                raise StoreError("the previous lookup has not ended yet")
+            future = self._lookup = self._lookups.submit(lambda: [store.exists(k) for k in keys])
+        try:
+            present = future.result(timeout=self.lookup_timeout_s)
+        except FutureTimeout:
+            raise StoreError(f"no answer within {self.lookup_timeout_s:g} s") from None
+        return [self.lease_s if p else 0.0 for p in present]
 
     # -- worker side ----------------------------------------------------------------------
 
@@ -119,7 +229,7 @@ class StoreReader:
         found in the store with a sound entry; the others are left out (logged)."""
         out: dict[str, torch.Tensor] = {}
         try:
-            store = self._client()
+            store = self._client(self.connect_wait_s)
         except StoreError as e:
             log.warning("mmferry store: %s unusable for %d item(s): %s", self.url, len(need), e)
             return out
@@ -161,15 +271,23 @@ class StoreReader:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             store, self._store = self._store, None
-            if store is not None:
-                if self._buf is not None:
-                    store.unregister(self._buf.data_ptr())
-                with _CLIENTS_LOCK:
-                    _, users = _CLIENTS[self.address]
-                    if users > 1:
-                        _CLIENTS[self.address] = (store, users - 1)
-                    else:
-                        del _CLIENTS[self.address]
-                        store.close()
-            self._buf = None
+            buf, self._buf = self._buf, None
+        self._connector.close()
+        self._lookups.close()
+        if store is not None:
+            if buf is not None:
+                store.unregister(buf.data_ptr())
+            _release(self.address)
+
+
+def _release(address: StoreAddress) -> None:
+    """One reader less on the address's client; the last one closes it."""
+    with _CLIENTS_LOCK:
+        store, users = _CLIENTS[address]
+        if users > 1:
+            _CLIENTS[address] = (store, users - 1)
+        else:
+            del _CLIENTS[address]
+            store.close()

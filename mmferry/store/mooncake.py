@@ -17,6 +17,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -101,6 +103,19 @@ class StoreAddress:
                 return socket.gethostbyname(socket.gethostname())
 
 
+def _metadata_answers(url: str) -> None:
+    """StoreError unless the HTTP metadata server at `url` answers within PROBE_S (any status:
+    a key it lacks is a 404). Other metadata servers (etcd, P2P handshake) are not probed."""
+    if not url.startswith(("http://", "https://")):
+        return
+    try:
+        urllib.request.urlopen(f"{url}?key=mmferry-probe", timeout=PROBE_S).close()
+    except urllib.error.HTTPError:
+        return  # it answered
+    except (OSError, ValueError) as e:
+        raise StoreError(f"the Mooncake metadata server at {url} does not answer: {e}") from None
+
+
 class MooncakeStore:
     """One Mooncake client with a breaker: after an error the store is left alone for
     `retry_s` (a master that is down costs a request its timeout once, not every item)."""
@@ -115,6 +130,11 @@ class MooncakeStore:
             socket.create_connection((name, int(port)), timeout=PROBE_S).close()
         except OSError as e:
             raise StoreError(f"cannot reach the Mooncake master at {address.master}: {e}") from None
+        # NOTE: Mooncake's setup holds the GIL for as long as it retries (about a minute and a
+        # half against a master that accepts connections and never answers), stopping every
+        # thread of the process, an engine's scheduler or the service's event loop included.
+        # The master's metadata server (embedded in it by default) must answer first.
+        _metadata_answers(address.metadata)
         self._client = store.MooncakeDistributedStore()
         # Segment 0: this client lends the store no memory; the holders (mooncake_client) do,
         # so entries outlive an encoder that is killed.

@@ -18,17 +18,18 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mmferry.encoder.model import VisionOutput
-from mmferry.server.batching import Batcher
 from mmferry.store.entry import EntryError, ModelIdentity, entry_key, entry_parts, read_entry
 from mmferry.store.mooncake import MooncakeStore, StoreAddress, StoreError, import_mooncake
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from mmferry.embed.cache import EncoderCache
     from mmferry.encoder.model import VisionEncoder
     from mmferry.items import MultimodalItem
-    from mmferry.server.metrics import Metrics
 
 log = logging.getLogger("mmferry.store")
 MAX_PUBLISHING = 64  # entries waiting to be published; past it an entry is skipped and counted
@@ -38,10 +39,9 @@ _KNOWN = 1 << 16  # item hashes known to be in the store, remembered to skip re-
 class StoreMetrics:
     """The store's counters, in the service's registry."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, r: CollectorRegistry) -> None:
         from prometheus_client import Counter
 
-        r = metrics.registry
         self.hits = Counter("mmferry_store_hits", "items taken from the store", registry=r)
         self.misses = Counter("mmferry_store_misses", "items the store lacked", registry=r)
         self.refused = Counter(
@@ -64,9 +64,12 @@ class StoreMetrics:
 
 
 class SharedStore:
-    """The service's side of the store: look up before encoding, publish after."""
+    """The service's side of the store, in front of its batcher (`server/batching.py`'s
+    `Store`): look up before encoding, publish after."""
 
-    def __init__(self, url: str, encoder: VisionEncoder, model: str, metrics: Metrics) -> None:
+    def __init__(
+        self, url: str, encoder: VisionEncoder, model: str, registry: CollectorRegistry
+    ) -> None:
         self.address = StoreAddress.parse(url)
         import_mooncake()  # the extra's message now, not on the first lookup's thread
         self.encoder = encoder
@@ -76,7 +79,7 @@ class SharedStore:
             if Path(model).is_dir()
             else ModelIdentity.of(model, encoder.tower)
         )
-        self.metrics = StoreMetrics(metrics)
+        self.metrics = StoreMetrics(registry)
         self._store: MooncakeStore | None = None
         self._connect_after = 0.0
         self._healthy = True
@@ -172,14 +175,11 @@ class SharedStore:
             )
         return found
 
-    async def fill(self, items: Sequence[MultimodalItem], batcher: StoreBatcher) -> None:
-        """Put the store's entries for the items neither cached nor in flight in the cache."""
+    async def fill(self, items: Sequence[MultimodalItem], cache: EncoderCache) -> None:
+        """Put the store's entries for `items` (neither cached nor in flight) in `cache`."""
         wanted: dict[str, MultimodalItem] = {}
         for it in items:
-            if it.hash not in batcher.cache and not batcher.in_flight(it.hash):
-                wanted.setdefault(it.hash, it)
-        if not wanted:
-            return
+            wanted.setdefault(it.hash, it)
         if self._store is None:
             # Never on a request's path: the writer thread connects, these are misses.
             self._connect_soon()
@@ -188,7 +188,7 @@ class SharedStore:
         loop = asyncio.get_running_loop()
         found = await loop.run_in_executor(self._reader, self._fetch, list(wanted.values()))
         for h, out in found.items():
-            batcher.cache.put(h, out)
+            cache.put(h, out)
             self._remember(h)
 
     def _connect_soon(self) -> None:
@@ -264,30 +264,9 @@ class SharedStore:
                 continue
             self._writer.submit(self._put, it.hash, out)
 
-    def batcher(self, encode: Any, cache: Any, metrics: Metrics, **options: Any) -> StoreBatcher:
-        return StoreBatcher(encode, cache, metrics, store=self, **options)
-
     def close(self) -> None:
         """Finish the queued publications, then disconnect."""
         self._reader.shutdown(wait=True, cancel_futures=True)
         self._writer.shutdown(wait=True)
         if self._store is not None:
             self._store.close()
-
-
-class StoreBatcher(Batcher):
-    """The batcher with the store in front: entries found there are cache hits, and what it
-    encodes is published."""
-
-    def __init__(self, *args: Any, store: SharedStore, **options: Any) -> None:
-        super().__init__(*args, **options)
-        self.store = store
-
-    def in_flight(self, item_hash: str) -> bool:
-        return item_hash in self._inflight
-
-    async def encode(self, items: Sequence[MultimodalItem]) -> list[VisionOutput]:
-        await self.store.fill(items, self)
-        outs = await super().encode(items)
-        self.store.publish(items, outs)
-        return outs

@@ -12,6 +12,8 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +33,7 @@ class Answer:
     content_type: str = "application/json"
     delay_s: float = 0.0  # before the status line
     trickle_s: float = 0.0  # between the body's bytes (a slow, never-quite-late sender)
+    headers: dict[str, str] = field(default_factory=dict)  # beside content-type and -length
 
 
 Responder = Callable[[dict[str, Any]], Answer]
@@ -103,6 +106,9 @@ def handle_json(handle: Any) -> dict[str, Any]:
 class LyingService:
     answers: dict[str, Answer | Responder] = field(default_factory=dict)
     seen: list[tuple[str, dict[str, str], Any]] = field(default_factory=list)
+    # (route, monotonic time) of each request whose client closed its connection while the
+    # answer was being held back (`delay_s`).
+    gone: list[tuple[str, float]] = field(default_factory=list)
     _server: ThreadingHTTPServer | None = None
 
     @property
@@ -128,6 +134,12 @@ class LyingService:
             def log_message(self, *args: Any) -> None:
                 pass
 
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                # /health answers 200, as `mmferry serve`'s does, unless a test says otherwise.
+                up = js({"status": "ok"}) if self.path == "/health" else Answer(404, b"{}")
+                what = service.answers.get(self.path.rsplit("/", 1)[-1], up)
+                self._send(what(None) if callable(what) else what, "health")
+
             def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
                 raw_body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 route = self.path.rsplit("/", 1)[-1]
@@ -137,12 +149,18 @@ class LyingService:
                     body = None
                 service.seen.append((route, {k.lower(): v for k, v in self.headers.items()}, body))
                 what = service.answers.get(route, Answer(404, b'{"error": "no such route"}'))
-                ans = what(body) if callable(what) else what
-                time.sleep(ans.delay_s)
+                self._send(what(body) if callable(what) else what, route)
+
+            def _send(self, ans: Answer, route: str) -> None:
+                if not self._wait(ans.delay_s):
+                    service.gone.append((route, time.monotonic()))
+                    return
                 try:
                     self.send_response(ans.status)
                     self.send_header("content-type", ans.content_type)
                     self.send_header("content-length", str(len(ans.body)))
+                    for name, value in ans.headers.items():
+                        self.send_header(name, value)
                     self.end_headers()
                     if ans.trickle_s:
                         for i in range(len(ans.body)):
@@ -153,6 +171,20 @@ class LyingService:
                         self.wfile.write(ans.body)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up waiting, as it should
+
+            def _wait(self, delay_s: float) -> bool:
+                """Whether `delay_s` passed with the client still there (False: it closed
+                the connection meanwhile)."""
+                until = time.monotonic() + delay_s
+                while (left := until - time.monotonic()) > 0:
+                    if select.select([self.connection], [], [], left)[0]:
+                        try:
+                            if not self.connection.recv(1, socket.MSG_PEEK):
+                                return False
+                        except OSError:
+                            return False
+                        time.sleep(max(0.0, until - time.monotonic()))  # bytes, not a close
+                return True
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True

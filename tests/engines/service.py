@@ -27,6 +27,7 @@ class Service:
     proc: subprocess.Popen | None = None
     lines: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)  # more `mmferry serve` options
 
     @property
     def url(self) -> str:
@@ -34,7 +35,7 @@ class Service:
 
     def start(self) -> Service:
         cmd = [sys.executable, "-m", "mmferry", "serve", "--model", str(self.model)]
-        cmd += ["--port", str(self.port), "--shm-mib", "16", "--cache-mib", "64"]
+        cmd += ["--port", str(self.port), "--shm-mib", "16", "--cache-mib", "64", *self.args]
         env = {k: v for k, v in os.environ.items() if k != "MMFERRY_API_KEY"}
         env.update(PYTHONPATH=str(ROOT), **self.env)
         self.proc = subprocess.Popen(

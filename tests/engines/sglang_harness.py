@@ -10,7 +10,7 @@ import json
 import os
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -48,6 +48,91 @@ ENGINE_OPTIONS: dict[str, Any] = {
 }
 
 
+SHM = Path("/dev/shm")
+# What SGLang's processes leave in /dev/shm when their group is killed: its load-report files
+# and the semaphores of Python's multiprocessing (named under the spawn start method, and
+# unlinked by a resource tracker that dies in the same group).
+LEFTOVERS = ("sglang_loads_", "sem.mp-")
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        # NOTE: the command name may hold spaces and parentheses; the fields follow its last ")".
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid:
+            pids.append(int(d.name))
+    return pids
+
+
+def held_shm(pids: list[int]) -> set[str]:
+    """The names in /dev/shm of SGLang's kinds (`LEFTOVERS`) whose files `pids` map or hold
+    open. Matched by inode: glibc's `sem_open` maps a temporary file it then links under the
+    semaphore's name, so a mapping's path need not be the name."""
+    inodes: set[int] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:  # gone, or not ours to read
+            continue
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(f"{SHM}/"):
+                inodes.add(int(fields[4]))
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(fd).startswith(f"{SHM}/"):
+                    inodes.add(fd.stat().st_ino)
+    names = set()
+    for entry in os.scandir(SHM):
+        with contextlib.suppress(OSError):
+            if entry.name.startswith(LEFTOVERS) and entry.inode() in inodes:
+                names.add(entry.name)
+    return names
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir(SHM))
+
+
+@dataclass
+class ShmLeftovers:
+    """What an engine's process group made in /dev/shm, to remove once it is stopped: the
+    names its processes hold (`note`, while they run) that were not there before it started
+    (`before`): another engine's, or another program's, are never touched."""
+
+    pgid: int
+    before: set[str]
+    made: set[str] = field(default_factory=set)
+
+    def note(self) -> None:
+        self.made |= held_shm(group_pids(self.pgid)) - self.before
+
+    def left(self) -> set[str]:
+        """What is still in /dev/shm of what the group made: what it was seen holding, and any
+        SGLang load-report file new since it started (no other program makes those)."""
+        now = shm_names()
+        new = {n for n in now - self.before if n.startswith(LEFTOVERS[0])}
+        return (self.made & now) | new
+
+    def remove(self) -> list[str]:
+        """Unlink what the group made and left (call once it has stopped); the names removed."""
+        removed = []
+        for name in sorted(self.made):
+            with contextlib.suppress(FileNotFoundError):
+                (SHM / name).unlink()
+                removed.append(name)
+        return removed
+
+
 def sglang_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, **SGLANG_ENV, **extra}
     env.pop("VIRTUAL_ENV", None)
@@ -61,10 +146,12 @@ class SglangEngine(DriverEngine):
 
     name: ClassVar[str] = "SGLang"
     start_s: float = 0.0
+    shm: ShmLeftovers | None = None
 
     @classmethod
     def start(cls, model: Path, workdir: Path, env: dict[str, str] | None = None, **options):
         opts = {**ENGINE_OPTIONS, **options}
+        before = shm_names()
         proc = subprocess.Popen(
             [str(SGLANG_PYTHON), str(DRIVER), str(model), json.dumps(opts)],
             stdin=subprocess.PIPE,
@@ -75,7 +162,7 @@ class SglangEngine(DriverEngine):
             cwd=workdir,
             start_new_session=True,  # stop() can end the scheduler it spawns with it
         )
-        engine = cls(proc, workdir)
+        engine = cls(proc, workdir, shm=ShmLeftovers(proc.pid, before))
         engine._follow()
         try:
             engine._wait(lambda: engine._ready() is not None, START_TIMEOUT_S)
@@ -83,6 +170,7 @@ class SglangEngine(DriverEngine):
             engine.stop()
             raise
         engine.start_s = engine._ready()
+        engine.shm.note()
         return engine
 
     def _ready(self) -> float | None:
@@ -93,7 +181,9 @@ class SglangEngine(DriverEngine):
         return None
 
     def stop(self) -> None:
-        """Close the driver's stdin (it shuts the engine down), then end its process group."""
+        """Close the driver's stdin (it shuts the engine down), then end its process group and
+        remove what it left in /dev/shm."""
+        self.shm.note()
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.close()
@@ -104,3 +194,4 @@ class SglangEngine(DriverEngine):
             os.killpg(self.proc.pid, 9)  # the scheduler and detokenizer it spawned
         if self.proc.poll() is None:
             self.proc.wait()
+        self.shm.remove()

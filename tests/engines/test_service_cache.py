@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import time
+import weakref
 
 import httpx
 import pytest
@@ -59,6 +61,48 @@ def test_a_repeat_lookup_renews_a_cached_pin_and_never_an_evicted_one():
     assert set(pins.take_all(["a"], "e2", now=66.0)) == {"a"} and len(pins) == 1
     assert pins.lookup(["a"], "e1", now=118.5) == [1.0]
     assert pins.lookup(["a"], "e1", now=119.5) == [0.0] and len(pins) == 0
+
+
+def test_a_new_caller_pins_the_rows_the_cache_holds_now_never_older_pinned_ones():
+    """Rows evicted while pinned and encoded again: the cache holds newer rows under the key
+    while the old ones are still pinned. Every pin on the key then holds the cached rows (the
+    same item's, by its hash), so a chain of new callers, each pinning for the full TTL, never
+    keeps the evicted rows alive, and they cost the pins' budget nothing from then on."""
+    cache = EncoderCache(capacity_bytes=64)  # one 2-row entry with its deepstack
+    cache.put("a", out(2, 1.0))
+    pins = Pins(cache, ttl_s=60.0, max_bytes=64)
+    assert pins.lookup(["a"], "e1", now=0.0) == [60.0]
+    old = weakref.ref(cache.peek("a").embeds)
+    cache.put("b", out(2, 2.0))  # evicts "a": its rows live in e1's pin alone
+    assert pins.used_bytes == 64
+    cache.put("a", out(2, 3.0))  # "a" encoded again (evicting "b")
+    for t, caller in ((50.0, "e2"), (100.0, "e3"), (150.0, "e4")):
+        assert pins.lookup(["a"], caller, now=t) == [60.0]  # cached rows: a full pin
+        assert pins.used_bytes == 0  # nothing pinned outside the cache
+    gc.collect()
+    assert old() is None
+    # e1's pin lapsed at 60 s; e4's loads the rows the cache holds.
+    assert float(pins.take_all(["a"], "e4", now=151.0)["a"].embeds[0, 0]) == 3.0
+    # The encode route's pin on rows encoded again is the cached rows' too.
+    assert pins.lookup(["a"], "e5", now=152.0) == [60.0]
+    cache.put("c", out(2, 4.0))  # evicts "a" again
+    cache.put("a", out(2, 5.0))
+    assert pins.hold("a", cache.peek("a"), now=153.0) and pins.used_bytes == 0
+    assert float(pins.take_all(["a"], "e5", now=154.0)["a"].embeds[0, 0]) == 5.0
+
+
+def test_the_encode_routes_pin_on_rows_only_pins_hold_keeps_to_the_budget():
+    """The item encoded again while its evicted rows are pinned, and the cache does not take
+    the new ones: over `max_bytes`, the encode route's pin ends with the pins already there,
+    as a lookup's would."""
+    cache = EncoderCache(capacity_bytes=64)
+    cache.put("a", out(2, 1.0))
+    pins = Pins(cache, ttl_s=60.0, max_bytes=0)
+    assert pins.lookup(["a"], "e1", now=0.0) == [60.0]
+    cache.put("b", out(2, 2.0))  # evicts "a": 64 bytes pinned outside the cache, over 0
+    assert pins.hold("a", out(2, 3.0), now=10.0)  # held, by the pins already there
+    assert pins.lookup(["a"], "e2", now=20.0) == [40.0]  # ending with e1's, not at 70 s
+    assert pins.lookup(["a"], "e2", now=60.0) == [0.0] and len(pins) == 0
 
 
 def test_pin_expires_and_is_bounded():

@@ -125,6 +125,9 @@ def runs(request, models, tmp_path_factory):
         assert not isinstance(second, dict), second["trace"]
     finally:
         engine.stop()
+    # What the engine made in /dev/shm (its load reports, multiprocessing's semaphores) went
+    # with it.
+    assert not engine.shm.left()
     res = dict(zip(keys, answer))
     res[("image_video", "sglang_rows")] = second[0]
     return m, inputs, res, towers

@@ -17,7 +17,13 @@ import pytest
 from mmferry.engines.sglang import to_sglang
 from tests.engines.cases import cases, items
 from tests.engines.service import free_port
-from tests.engines.sglang_harness import SGLANG_PYTHON, START_TIMEOUT_S, sglang_env
+from tests.engines.sglang_harness import (
+    SGLANG_PYTHON,
+    START_TIMEOUT_S,
+    ShmLeftovers,
+    sglang_env,
+    shm_names,
+)
 
 pytestmark = pytest.mark.slow
 FAMILY = "qwen2_5_vl"
@@ -40,6 +46,7 @@ def server(models, tmp_path_factory):
         pytest.fail(f"SGLang's environment is missing ({SGLANG_PYTHON}); run `make sglang-venv`")
     port = free_port()
     log = tmp_path_factory.mktemp("sglang-server") / "server.log"
+    before = shm_names()
     with open(log, "w") as out:
         proc = subprocess.Popen(
             server_command(models[FAMILY].path, port),
@@ -49,6 +56,7 @@ def server(models, tmp_path_factory):
             start_new_session=True,  # its scheduler and detokenizer end with it
         )
     url = f"http://127.0.0.1:{port}"
+    leftovers = ShmLeftovers(proc.pid, before)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -58,11 +66,16 @@ def server(models, tmp_path_factory):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"SGLang's server did not start:\n{log.read_text()[-4000:]}")
             time.sleep(2)
+        leftovers.note()
         yield url
     finally:
+        leftovers.note()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)
         proc.wait()
+        leftovers.remove()
+        # What the server made in /dev/shm goes with it (killed, it unlinks nothing itself).
+        assert not leftovers.left()
 
 
 def as_json(entry: dict) -> dict:

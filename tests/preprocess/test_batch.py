@@ -150,6 +150,12 @@ def test_a_non_input_error_is_raised_as_it_is(monkeypatch):
     assert all(isinstance(r, ItemError) and isinstance(r.error, RuntimeError) for r in out)
 
 
+def _call_threads() -> int:
+    # NOTE: not the host buffer cache's reaper: it lives while buffers are lent or held, by
+    # design beyond a call, and starts with the first large item's buffer.
+    return sum(t.name != "mmferry-host-cache" for t in threading.enumerate())
+
+
 @pytest.mark.parametrize(("threads", "n_items"), [(1, 5), (2, 7), (3, 7), (4, 2), (3, 1)])
 def test_threads_stay_within_the_bound(monkeypatch, threads, n_items):
     lock = threading.Lock()
@@ -179,7 +185,7 @@ def test_threads_stay_within_the_bound(monkeypatch, threads, n_items):
     monkeypatch.setattr(image_mod, "item_hash", hashed)
     big = gradient(1500, 2000, seed=1)  # its key reads > 4 MiB: alongside a single call
     sources = [big] + [gradient(40 + 8 * i, 60, seed=i) for i in range(n_items - 1)]
-    before = threading.active_count()
+    before = _call_threads()
     out = PROC.images(sources, layout="compact-u8", threads=threads)
     assert len(out) == n_items
     assert held["peak"] <= threads
@@ -189,7 +195,7 @@ def test_threads_stay_within_the_bound(monkeypatch, threads, n_items):
     if n_items < threads:
         # Fewer items than threads: each item splits its own work.
         assert min(shares) >= threads // n_items
-    assert threading.active_count() == before  # no thread outlives the call
+    assert _call_threads() == before  # no thread outlives the call
 
 
 @pytest.mark.parametrize(("threads", "n_items"), [(3, 7), (4, 2), (4, 5)])
@@ -300,3 +306,33 @@ def test_an_interrupt_while_waiting_is_raised_once_every_item_ended():
         if t.name.startswith("mmferry-batch"):
             t.join(5)  # its worker returned: only the thread's own exit is left
             assert not t.is_alive()
+
+
+def test_an_interrupt_while_the_threads_start_waits_for_the_started_ones(monkeypatch):
+    """Ctrl-C landing between two thread starts (`mmferry encode`'s SIGTERM right after its
+    first line): the thread already started finishes its item, nothing more starts, and only
+    then is the interrupt raised. Raised at once, it left a worker in a torch op at interpreter
+    exit, which aborted the process (exit -6)."""
+    in_job = threading.Event()
+    running: list[int] = []
+    finished: list[int] = []
+
+    def job(index: int, share: int) -> int:
+        running.append(index)
+        in_job.set()
+        time.sleep(0.5)  # still running when the interrupt arrives
+        finished.append(index)
+        running.remove(index)
+        return index
+
+    class Interrupted(threading.Thread):
+        def start(self) -> None:
+            super().start()
+            assert in_job.wait(10)  # the started thread holds an item
+            raise KeyboardInterrupt  # as a signal handler raises it, before the next start
+
+    monkeypatch.setattr(batch_mod.threading, "Thread", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        batch_mod.run_jobs([partial(job, i) for i in range(6)], [None] * 6, 3, stop_on_error=False)
+    assert running == []  # no item was left running
+    assert len(finished) == 1  # the started thread's item; nothing started after the interrupt

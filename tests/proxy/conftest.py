@@ -74,8 +74,8 @@ def video_part(frames: np.ndarray, fps: int) -> dict:
 
 def first_choice(urls: list[str], part: dict) -> str:
     """The encoder the proxy's routing ranks first for `part` among `urls`."""
+    from mmferry.proxy import Router
     from mmferry.proxy.media import find_media
-    from mmferry.proxy.router import Router
     from mmferry.server.limits import Limits
     from mmferry.server.sources import source_policy
 

@@ -193,3 +193,59 @@ def proxy(llm: str, encoders: list[str], mode: str, *extra: str, **env: str) -> 
     for url in encoders:
         args += ["--encoder", url]
     return Proc([*args, *extra], env=env)
+
+
+@dataclass
+class Received:
+    """One request as it reached the recording engine: method, path as sent, body bytes."""
+
+    method: str
+    path: str
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class RecordingEngine:
+    """The engine's place behind a proxy: a stdlib HTTP server that keeps every request it gets
+    (any method, any path) and answers `answer` (JSON, 200), or 500 to the chat requests while
+    `fail_chats` is above 0 (counting down)."""
+
+    def __init__(self, answer: Any = None) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.seen: list[Received] = []
+        self.fail_chats = 0
+        self.answer = json.dumps(answer if answer is not None else {"id": "recorded"}).encode()
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def handle_any(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                engine.seen.append(Received(self.command, self.path, body))
+                if engine.fail_chats > 0 and self.path.endswith("/chat/completions"):
+                    engine.fail_chats -= 1
+                    self.send_response(500)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                send_json(self, engine.answer)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = handle_any  # noqa: N815
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def take(self) -> list[Received]:
+        """What arrived since the last call."""
+        seen, self.seen = self.seen, []
+        return seen
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

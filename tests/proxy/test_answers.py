@@ -12,6 +12,7 @@ import base64
 import io
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
@@ -239,3 +240,71 @@ def test_a_bad_answer_goes_to_the_items_next_encoder(engine, liar, tmp_path):
         if front is not None:
             front.stop()
         real.stop()
+
+
+def _first_for(urls: list[str], url: str) -> dict:
+    """An image part whose key ranks `url` first among `urls` (about every other one does)."""
+    candidates = (image_part(image(56, 84, s)) for s in range(64))
+    return next(p for p in candidates if first_choice(urls, p) == url)
+
+
+def _refusal(status: int, retry_after: str | None = None) -> Answer:
+    """An encoder's timeout or overload answer, in `mmferry serve`'s error shape."""
+    doc = {"error": {"kind": "overloaded", "message": f"status {status}"}}
+    return Answer(
+        status,
+        json.dumps(doc).encode(),
+        headers={} if retry_after is None else {"Retry-After": retry_after},
+    )
+
+
+@pytest.mark.parametrize("status", [408, 429])
+def test_an_encoders_timeout_or_overload_goes_to_the_items_next_choice(engine, status):
+    """A 408 (the encoder timed out) or 429 (it is overloaded) is that encoder's failure: the
+    item goes to its next choice, and the client never sees the status."""
+    with LyingService() as busy, LyingService() as honest:
+        urls = [busy.url, honest.url]
+        client = _first_for(urls, busy.url)
+        busy.answer("encode", _refusal(status))
+        honest.answer("encode", facts())
+        honest.answer("load", rows({HASH: ROWS}))
+        front = proxy(engine, urls, "embeds").start()
+        try:
+            part = forwarded(front, client)
+            assert len(busy.calls("encode")) == 1  # asked first, and it refused
+            assert part["type"] == "image_embeds" and part["uuid"] == HASH
+            assert torch.equal(sent_rows(part), ROWS)  # the next choice's rows
+            failed = scrape(
+                front.url,
+                "mmferry_proxy_encoder_failures_total",
+                encoder=busy.url,
+                reason=f"http_{status}",
+            )
+            assert failed == 1
+        finally:
+            front.stop()
+
+
+def test_an_overloaded_encoder_is_left_alone_for_its_retry_after(engine):
+    """A 429's Retry-After keeps the encoder out of the routing that long (not the 0.5 s of a
+    first failure's probe), then it is asked again."""
+    retry_after_s = 3
+    with LyingService() as busy, LyingService() as honest:
+        urls = [busy.url, honest.url]
+        client = _first_for(urls, busy.url)
+        busy.answer("encode", _refusal(429, str(retry_after_s)))
+        honest.answer("encode", facts())
+        honest.answer("load", rows({HASH: ROWS}))
+        front = proxy(engine, urls, "embeds").start()
+        try:
+            t0 = time.monotonic()
+            assert forwarded(front, client)["uuid"] == HASH
+            assert len(busy.calls("encode")) == 1
+            time.sleep(retry_after_s / 2)  # probes are due every 0.25 s; /health answers 200
+            assert forwarded(front, client)["uuid"] == HASH
+            assert len(busy.calls("encode")) == 1  # passed over: still within its Retry-After
+            time.sleep(max(0.0, t0 + retry_after_s + 1 - time.monotonic()))
+            assert forwarded(front, client)["uuid"] == HASH
+            assert len(busy.calls("encode")) == 2  # back in the routing once it elapsed
+        finally:
+            front.stop()

@@ -69,7 +69,9 @@ def test_every_other_post_reaches_the_engine_byte_for_byte(path, ctype, body):
     upstream = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     llm = f"http://127.0.0.1:{upstream.server_address[1]}"
-    p = proxy(llm, [f"http://127.0.0.1:{free_port()}"], "embeds").start()
+    # The upload route is one the engine reads media from: the operator passes it unchecked.
+    passed = ("--pass-route", "/v1/audio/transcriptions")
+    p = proxy(llm, [f"http://127.0.0.1:{free_port()}"], "embeds", *passed).start()
     try:
         _Recorder.seen.clear()
         r = httpx.post(f"{p.url}{path}", content=body, headers={"Content-Type": ctype}, timeout=30)

@@ -7,7 +7,6 @@ import asyncio
 from typing import Any
 
 import mmferry as mf
-from mmferry.commands.model_args import shallow
 from mmferry.encoder.model import VisionEncoder
 from mmferry.models import spec_for
 from mmferry.server.limits import Limits
@@ -15,7 +14,7 @@ from mmferry.server.service import EncoderService, ServiceConfig
 
 PROC = mf.Processor.for_model("qwen3-vl")
 # prepare() never encodes; a one-layer tower keeps the service quick to build.
-TOWER = shallow(spec_for("qwen3-vl").random_config, 1)
+TOWER = spec_for("qwen3-vl").random_config.with_depth(1)
 
 
 def prepare(body: dict[str, Any], limits: Limits) -> list[Any]:

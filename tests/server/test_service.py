@@ -14,7 +14,6 @@ import torch
 from PIL import Image
 
 import mmferry as mf
-from mmferry.commands.model_args import shallow
 from mmferry.models import spec_for
 from mmferry.preprocess.samples import sample_video
 from mmferry.server.client import (
@@ -41,7 +40,7 @@ def metric(url: str, name: str) -> float:
 @pytest.fixture(scope="module")
 def reference():
     proc = mf.Processor.for_model("qwen3-vl", image_max_pixels=IMAGE_MAX_PIXELS)
-    enc = mf.VisionEncoder.random(config=shallow(spec_for("qwen3-vl").random_config, DEPTH))
+    enc = mf.VisionEncoder.random(config=spec_for("qwen3-vl").random_config.with_depth(DEPTH))
     return proc, enc
 
 

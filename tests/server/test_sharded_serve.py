@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import mmferry as mf
-from mmferry.commands.model_args import shallow
 from mmferry.models import spec_for
 from mmferry.preprocess.samples import sample_video
 from mmferry.server.client import EncoderClient, image_part, video_part
@@ -50,7 +49,7 @@ def test_two_ranks_behind_one_endpoint():
         with EncoderClient(url) as c:
             got = c.encode(parts)
         proc_ = mf.Processor.for_model("qwen3-vl", image_max_pixels=IMAGE_MAX_PIXELS)
-        enc = mf.VisionEncoder.random(config=shallow(spec_for("qwen3-vl").random_config, DEPTH))
+        enc = mf.VisionEncoder.random(config=spec_for("qwen3-vl").random_config.with_depth(DEPTH))
         items = [proc_.image(d, "compact-u8") for d in datas]
         items.append(proc_.video(str(sample_video()), "compact-u8"))
         with torch.inference_mode():

@@ -204,6 +204,7 @@ def test_engine_reads_rows_of_a_killed_encoder(pool, store_cluster):
         deepstack=levels,
     )
     try:
+        assert reader.ready(30), "the reader did not connect"
         absent = "0" * 32
         assert reader.lookup_pins([first.hash, absent]) == [reader.lease_s, 0.0]
         rows = reader.load({first.hash: n, absent: n}, torch.device("cpu"), torch.bfloat16)

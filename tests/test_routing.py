@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from mmferry.proxy.router import Router
+from mmferry.routing import Router
 
 URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 4)]
 KEYS = [hashlib.sha256(str(i).encode()).hexdigest()[:32] for i in range(3000)]
@@ -100,6 +100,21 @@ def test_down_encoders_are_skipped_and_probed_with_backoff():
         r.mark_down(u)
     assert r.route(key) is None
     assert r.capacity() == 0
+
+
+def test_an_encoder_that_asked_for_time_is_not_probed_before_it():
+    r = Router(URLS, backoff_s=1.0, max_backoff_s=30.0)
+    busy = r.choices(KEYS[0])[0]
+    r.mark_down(busy, now=100.0, hold_s=5.0)  # a 429 with Retry-After: 5
+    assert r.due(now=101.0) == []  # not at the first failure's 1 s
+    assert r.due(now=105.0) == [busy]
+    r.mark_down(busy, now=105.0)  # the probe failed: the doubled backoff, no hold
+    assert r.encoders[busy].probe_at == 107.0
+    r.mark_down(busy, now=105.5, hold_s=10.0)  # another call's 429 meanwhile: held longer
+    assert r.encoders[busy].probe_at == 115.5
+    r.mark_up(busy)
+    r.mark_down(busy, now=200.0, hold_s=3600.0)  # capped at max_backoff_s
+    assert r.encoders[busy].probe_at == 230.0
 
 
 def test_bad_configurations_are_refused():

@@ -9,10 +9,12 @@ On top of that ranking:
 - bounded load: an encoder holding more than (1 + epsilon) x the mean in-flight items of the
   encoders that are up passes new items to the key's next choice;
 - down marking: an encoder that failed is skipped until its next probe is due; each failed
-  probe doubles the wait (up to `max_backoff_s`), a passed one brings it back.
+  probe doubles the wait (up to `max_backoff_s`), a passed one brings it back. An encoder that
+  said how long to leave it alone (a 429's Retry-After) is not probed before then.
 
-Pure: no I/O, no server dependency, so an engine's own connector can import it and find an
-item's encoder the way the proxy does (`mmferry.engines.vllm_connector`).
+Pure: no I/O, no import of mmferry, so it sits below both of its users, `mmferry proxy` (which
+places items on encoders) and vLLM's connector (`mmferry.engines.vllm_connector`, which finds an
+item's encoder the way the proxy placed it); `mmferry.proxy.Router` is this class.
 """
 
 from __future__ import annotations
@@ -104,13 +106,18 @@ class Router:
         """An item sent to `url` was answered (or failed)."""
         self.encoders[url].in_flight -= 1
 
-    def mark_down(self, url: str, now: float | None = None) -> None:
-        """`url` failed (refused, timed out, 5xx, or a failed probe): skip it until its probe."""
+    def mark_down(self, url: str, now: float | None = None, *, hold_s: float = 0.0) -> None:
+        """`url` failed (refused, timed out, 5xx, or a failed probe): skip it until its probe,
+        and for at least `hold_s` seconds (an overloaded encoder's Retry-After; at most
+        `max_backoff_s`)."""
         e = self.encoders[url]
         now = time.monotonic() if now is None else now
+        hold = min(max(hold_s, 0.0), self.max_backoff_s)
         if e.down and now < e.probe_at:
-            return  # calls already in flight failing too: one failure, one backoff step
-        wait = min(self.backoff_s * 2**e.failures, self.max_backoff_s)
+            # Calls already in flight failing too: one failure, one backoff step.
+            e.probe_at = max(e.probe_at, now + hold)
+            return
+        wait = max(min(self.backoff_s * 2**e.failures, self.max_backoff_s), hold)
         e.down, e.failures, e.probe_at = True, e.failures + 1, now + wait
 
     def mark_up(self, url: str) -> None:
