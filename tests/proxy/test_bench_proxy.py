@@ -26,7 +26,7 @@ def test_one_short_round(tmp_path):
     out = tmp_path / "result.json"
     cmd = [sys.executable, str(ROOT / "examples" / "bench_proxy.py"), "--rounds", "1"]
     cmd += ["--setups", "a,c", "--num-prompts", str(PROMPTS), "--warmup-prompts", "0"]
-    cmd += ["--rates", "100,100", "--text", "--text-rate", "100", "--images", "1", "--pool", "2"]
+    cmd += ["--rates", "50,100", "--text", "--text-rate", "100", "--images", "1", "--pool", "2"]
     cmd += ["--breakdown", "0", "--json", str(out), "--logs", str(tmp_path / "logs")]
     t0 = time.monotonic()
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=1700, cwd=ROOT)
