@@ -1,12 +1,13 @@
 """`Presence`: what an engine's scheduler believes the encoder service holds, and for how long.
 
-The scheduler asks once per item (`has`); the service answers how long it keeps the item pinned
-for this caller (`pinned_s`, counted from when the lookup was sent), and that answer is the only
-clock: presence is trusted for half of it, so the load the plan leads to arrives while the pin
-still holds, and asked again after. Anything else (the service down, late, or answering
-something that is not the protocol) is "absent": the engine encodes the item itself and keeps
-serving. The table of items told present is bounded in size and each entry expires, so items
-that are never allocated (aborted requests) cannot grow it.
+The scheduler asks about a request's items together (`ask`), then answers vLLM item by item
+(`has`); the service answers how long it keeps each item pinned for this caller (`pinned_s`,
+counted from when the lookup was sent), and that answer is the only clock: presence is trusted
+for half of it, so the load the plan leads to arrives while the pin still holds, and asked again
+after. Anything else (the service down, late, or answering something that is not the protocol)
+is "absent": the engine encodes the item itself and keeps serving. The table of items told
+present is bounded in size and each entry expires, so items that are never allocated (aborted
+requests) cannot grow it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class Presence:
         # Answered "present" in this scheduler pass: the alloc that follows must plan a load
         # even if the entry expired or was pushed out of the table meanwhile.
         self._claimed: set[str] = set()
+        # Answered absent in this pass: not asked again before the next.
+        self._absent: set[str] = set()
         self._quiet_until = 0.0
         self._down = False
 
@@ -59,21 +62,32 @@ class Presence:
 
     def has(self, identifier: str) -> bool:
         """Whether the service holds `identifier` now and its pin outlasts the coming load."""
+        self.ask([identifier])
+        return identifier in self._claimed
+
+    def ask(self, identifiers: list[str]) -> None:
+        """Ask the service about every item of `identifiers` not already answered in this
+        pass or trusted, in one lookup; `has` then answers from what it said. A request's
+        items are asked together, so the scheduler waits one round trip per service, not one
+        per item."""
         now = self._clock()
         self._expire(now)
-        until = self._trusted.get(identifier)
-        if until is not None and now < until:
-            self._claimed.add(identifier)
-            return True
-        self._trusted.pop(identifier, None)
-        if now < self._quiet_until:
-            return False
+        unknown = []
+        for identifier in dict.fromkeys(identifiers):
+            until = self._trusted.get(identifier)
+            if until is not None and now < until:
+                self._claimed.add(identifier)
+                continue
+            self._trusted.pop(identifier, None)
+            if identifier not in self._claimed and identifier not in self._absent:
+                unknown.append(identifier)
+        if not unknown or now < self._quiet_until:
+            return
         sent = self._clock()
         try:
-            pins = self.client.lookup_pins([identifier])
-            if len(pins) != 1:
-                raise ValueError(f"{len(pins)} answers for one hash")
-            (pinned,) = pins
+            pins = self.client.lookup_pins(unknown)
+            if len(pins) != len(unknown):
+                raise ValueError(f"{len(pins)} answers for {len(unknown)} hashes")
         except Exception as e:  # noqa: BLE001 - any failure of the service is "absent"
             self._quiet_until = self._clock() + self.retry_after_s
             if not self._down:
@@ -84,15 +98,16 @@ class Presence:
                     e,
                 )
             self._down = True
-            return False
+            return
         if self._down:
             log.warning("mmferry service %s answers again", self.client.url)
             self._down = False
-        if pinned < MIN_PIN_S:
-            return False
-        self._remember(identifier, sent + pinned * TRUST_SHARE)
-        self._claimed.add(identifier)
-        return True
+        for identifier, pinned in zip(unknown, pins):
+            if pinned < MIN_PIN_S:
+                self._absent.add(identifier)
+                continue
+            self._remember(identifier, sent + pinned * TRUST_SHARE)
+            self._claimed.add(identifier)
 
     def claim(self, identifier: str) -> bool:
         """vLLM allocated `identifier`: whether it is to be loaded (answered present in this
@@ -101,8 +116,10 @@ class Presence:
         return identifier in self._claimed
 
     def end_pass(self) -> None:
-        """The scheduler pass is over: its "present" answers no longer bind an alloc."""
+        """The scheduler pass is over: its "present" answers no longer bind an alloc, and its
+        "absent" answers are asked again."""
         self._claimed.clear()
+        self._absent.clear()
 
     def _remember(self, identifier: str, until: float) -> None:
         self._trusted.pop(identifier, None)

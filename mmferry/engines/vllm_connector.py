@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -186,6 +187,7 @@ class MmferryECConnector(ECConnectorBase):
             )
             self._clients[url] = client
             self._presences[url] = Presence(client)
+        self._asking = ThreadPoolExecutor(len(self._router.urls), "mmferry-lookup")
         self._owners: dict[str, str] = {}  # identifier -> the service that answered present
         self._planned: dict[str, str] = {}  # identifier -> the service its load goes to
         self._rows = row_spec(vllm_config.model_config)
@@ -209,22 +211,45 @@ class MmferryECConnector(ECConnectorBase):
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
         """Called before vLLM schedules `request`: False (and the request failed at the end of
         the step) when an item it still needs carries no pixels and no service holds it."""
-        for feature in request.mm_features:
-            place = feature.mm_position
-            if place.offset + place.length <= num_computed_tokens or encodable(feature):
-                continue
-            if self.has_cache_item(feature.identifier):
+        needed = [
+            f.identifier
+            for f in request.mm_features
+            if f.mm_position.offset + f.mm_position.length > num_computed_tokens
+            and not encodable(f)
+        ]
+        self._ask(needed)
+        for identifier in needed:
+            if self.has_cache_item(identifier):
                 continue
             if request.request_id not in self._unavailable:
                 log.warning(
                     "request %s: item %s carries no pixels and no mmferry service holds it; "
                     "the request fails (send it again with pixels)",
                     request.request_id,
-                    feature.identifier,
+                    identifier,
                 )
             self._unavailable.add(request.request_id)
             return False
         return True
+
+    def _ask(self, identifiers: list[str]) -> None:
+        """A request's items asked of their first-choice services (and the store) together,
+        the services side by side: one round trip in the scheduler's step rather than one per
+        item. An item its first choice lacks is asked of the next ones by `has_cache_item`."""
+        if not identifiers:
+            return
+        items = [split_identifier(i) for i in identifiers]
+        if self._store_presence is not None:
+            self._store_presence.ask([item for item, _ in items])
+        by_url: dict[str, list[str]] = {}
+        for item, key in items:
+            by_url.setdefault(self._router.choices(key)[0], []).append(item)
+        asks = [(self._presences[url], hashes) for url, hashes in by_url.items()]
+        if len(asks) == 1:
+            asks[0][0].ask(asks[0][1])
+            return
+        # Presence.ask never raises; each service has its own client.
+        list(self._asking.map(lambda a: a[0].ask(a[1]), asks))
 
     def take_unavailable_requests(self) -> set[str]:
         failed, self._unavailable = self._unavailable, set()
@@ -362,6 +387,7 @@ class MmferryECConnector(ECConnectorBase):
         return None  # a consumer: the service is the producer
 
     def shutdown(self) -> None:
+        self._asking.shutdown(wait=False)
         for client in self._clients.values():
             client.close()
         if self._store is not None:

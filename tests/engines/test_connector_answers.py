@@ -149,6 +149,30 @@ def test_a_present_answer_binds_the_alloc_of_its_pass_only(lying):
         client.close()
 
 
+def test_a_requests_items_are_asked_in_one_lookup(lying):
+    """`ask` sends one lookup for every item not yet known, in the scheduler's step, and `has`
+    answers from it: present ones (pinned long enough) present, the rest absent, none asked
+    again in that pass; the next pass asks again only what is not trusted."""
+
+    def some_present(body):
+        hashes = body["hashes"]
+        return js({"present": [h != "b" for h in hashes], "pinned_s": [60.0] * len(hashes)})
+
+    lying.answer("lookup", some_present)
+    client = client_for(lying.url)
+    presence = Presence(client)
+    try:
+        presence.ask(["a", "b", "c", "a"])
+        assert [presence.has(h) for h in ("a", "b", "c")] == [True, False, True]
+        assert [body["hashes"] for _, body in lying.calls("lookup")] == [["a", "b", "c"]]
+        presence.end_pass()
+        presence.ask(["a", "b", "d"])
+        assert presence.has("d") and not presence.has("b")
+        assert [body["hashes"] for _, body in lying.calls("lookup")][1:] == [["b", "d"]]
+    finally:
+        client.close()
+
+
 def test_items_told_present_but_never_allocated_are_bounded(lying):
     """Aborted requests leave items told present and never allocated: the table holds at
     most `max_items` and forgets each once its trust has passed."""
