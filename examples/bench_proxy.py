@@ -38,7 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -211,7 +211,15 @@ def warm_up(client: Client, setups: list[Setup], args: argparse.Namespace, tmp: 
     return reached
 
 
-def multimodal(client: Client, setups: list[Setup], args: argparse.Namespace, rates, tmp: Path):
+def multimodal(
+    client: Client,
+    setups: list[Setup],
+    args: argparse.Namespace,
+    rates: list[float],
+    tmp: Path,
+    done: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """Every round's runs; `done` gets the figures so far after each round."""
     runs: dict[str, dict[str, list]] = {}
     counts: dict[str, dict[str, list]] = {}
     for r in range(args.rounds):
@@ -225,7 +233,8 @@ def multimodal(client: Client, setups: list[Setup], args: argparse.Namespace, ra
                     runs.setdefault(work, {}).setdefault(s.key, []).append(got)
                     counts.setdefault(work, {}).setdefault(s.key, []).append(c)
         print(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()}", flush=True)
-    return {"runs": runs, "counts": counts}
+        done({"runs": runs, "counts": counts, "rounds_done": r + 1})
+    return {"runs": runs, "counts": counts, "rounds_done": args.rounds}
 
 
 def text_only(client: Client, setups: list[Setup], args: argparse.Namespace, tmp: Path):
@@ -414,7 +423,12 @@ def main() -> None:
                     rates = [float(x) for x in args.rates.split(",")]
                 result |= {"warmup_req_s": reached, "rates": rates}
                 result["load"].append(os.getloadavg())
-                result["multimodal"] = multimodal(client, setups, args, rates, tmp)
+
+                def keep(mm: dict[str, Any]) -> None:
+                    # A later round may not finish (a process killed): the rounds done stand.
+                    save(result | {"multimodal": mm}, args.json)
+
+                result["multimodal"] = multimodal(client, setups, args, rates, tmp, keep)
                 result["load"].append(os.getloadavg())
                 save(result, args.json)  # a later step may fail; these figures stand
                 if args.breakdown:
