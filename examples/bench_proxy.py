@@ -16,7 +16,8 @@ Then vLLM's benchmark (random-mm, OpenAI chat backend, examples/bench_client.py)
 set-up with the same requests: all-distinct images and half of them from a pool of repeats, at
 two rates (`--rates`; `auto`: 0.3x and 0.85x the lowest throughput the set-ups reach in their
 unpaced warm-up runs). A round runs every workload on every set-up, one after the other; each
-round has its own seed (fresh images and texts differ between rounds, the pool stays). Per
+workload of each round has its own seed, the same for every set-up (fresh images and texts are
+fresh to every cache, the pool stays). Per
 set-up and workload: TTFT p50 and p99 and req/s, the median (min-max) over the rounds, and the
 encoder calls and cache hits of the runs (for (a): vLLM's processor cache, whose hits skip
 preprocessing but not the tower). Then one request at a time through (a), (b) and (c), each
@@ -223,13 +224,17 @@ def multimodal(
     runs: dict[str, dict[str, list]] = {}
     counts: dict[str, dict[str, list]] = {}
     for r in range(args.rounds):
-        for share in SHARES:
-            for rate in rates:
+        for i, share in enumerate(SHARES):
+            for j, rate in enumerate(rates):
                 work = f"share {share:g}, {rate:.2f} req/s"
+                # NOTE: a seed per round and workload: fresh images (and texts) are fresh to
+                # every set-up's caches (vLLM's prefix cache would otherwise serve a whole
+                # repeated request); every set-up gets the same ones.
+                seed = (r * len(SHARES) + i) * len(rates) + j
                 for s in setups:
                     a = mm_args(args, args.num_prompts, rate)
                     out = tmp / f"mm-{r}-{share}-{rate}-{s.key}.json"
-                    got, c = measured(client, s, r, a, share, out)
+                    got, c = measured(client, s, seed, a, share, out)
                     runs.setdefault(work, {}).setdefault(s.key, []).append(got)
                     counts.setdefault(work, {}).setdefault(s.key, []).append(c)
         print(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()}", flush=True)
