@@ -67,6 +67,11 @@ def test_a_generic_family_checkpoint_is_one_line(tmp_path, capsys):
     _one_line_error(capsys, argv, "model_type 'gemma3' has no native spec", "generic family")
 
 
+def test_family_generic_without_a_checkpoint_is_one_line(capsys):
+    for cmd in ("demo", "serve"):
+        _one_line_error(capsys, [cmd, "--family", "generic"], "--family generic needs --model")
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_device_without_cuda_is_one_line(capsys):
     _one_line_error(capsys, ["demo", "--device", "cuda"], "--device cuda", "torch")

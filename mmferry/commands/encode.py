@@ -170,7 +170,7 @@ def _run(args: argparse.Namespace, written: list[Path]) -> int:
         print("mmferry encode: no inputs to encode; nothing written", file=sys.stderr)
         return 2
     try:
-        proc, enc = build(args)
+        proc, enc = build(args, generic=False)
     except Exception as e:  # noqa: BLE001 - a bad --model/--device: one line, not a traceback
         print(
             f"mmferry encode: cannot build the model: {_why(e)}; nothing written", file=sys.stderr

@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         from mmferry.server.sharded import ShardedLeader, follow, init_group
 
         args.device = init_group(args.device, env.world_size, env.local_rank)
-    proc, enc = build(args)
+    proc, enc = build(args, generic=False)
     if env.world_size > 1:
         if env.rank != 0:
             return follow(enc)

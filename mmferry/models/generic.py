@@ -22,6 +22,9 @@ import torch
 from mmferry.models.registry import spec_for
 
 GENERIC = "generic"
+# What `--family` takes: "auto" (the native spec where mmferry has one, else generic) or
+# "generic" (transformers' own code, for a native checkpoint too).
+FAMILY_CHOICES = ("auto", GENERIC)
 # The processor's outputs that belong to the text, not to one item.
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 
@@ -38,8 +41,9 @@ def _transformers():
 
 
 def uses_generic(model_dir: str | Path, family: str | None) -> bool:
-    """Whether `model_dir` goes through the generic family: asked for, or no native spec."""
-    if family is not None:
+    """Whether `model_dir` goes through the generic family: asked for, or no native spec
+    (`family` None or "auto")."""
+    if family is not None and family != "auto":
         if family == GENERIC:
             return True
         spec_for(family)  # a native family by name: a clear error when unknown
@@ -155,13 +159,19 @@ def _facts(config: Any, hf_processor: Any, model_type: str) -> GenericFacts:
     name = type(hf_processor).__name__
     placeholder = getattr(hf_processor, "image_token", None)
     if not isinstance(placeholder, str):
-        raise ValueError(f"{name} names no image token; this checkpoint takes no images")
+        raise ValueError(
+            f"{model_type}: its processor ({name}) names no image token, so the checkpoint "
+            "takes no images and the generic family cannot serve it"
+        )
     tok = hf_processor.tokenizer
     placeholder_id = tok.convert_tokens_to_ids(placeholder)
     row = getattr(config, "image_token_id", None)
     row = getattr(config, "image_token_index", None) if row is None else row
     if not isinstance(placeholder_id, int) or placeholder_id == tok.unk_token_id or row is None:
-        raise ValueError(f"{model_type}: the image token is missing from the tokenizer or config")
+        raise ValueError(
+            f"{model_type}: the image token is missing from the tokenizer or config, so the "
+            "generic family cannot serve it"
+        )
     return GenericFacts(
         model_type=model_type,
         placeholder=placeholder,
@@ -172,6 +182,26 @@ def _facts(config: Any, hf_processor: Any, model_type: str) -> GenericFacts:
     )
 
 
+def hf_config(tf: Any, root: Path) -> Any:
+    """The folder's transformers config; a ValueError saying neither path can read it."""
+    try:
+        return tf.AutoConfig.from_pretrained(root)
+    except ValueError:  # a model_type this transformers does not know
+        from mmferry.models import supported_model_types
+
+        try:
+            model_type = json.loads((root / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = None
+        if model_type is None:
+            raise
+        raise ValueError(
+            f"{root}: model_type {model_type!r} is neither native to mmferry "
+            f"({', '.join(supported_model_types())}) nor known to transformers "
+            f"{tf.__version__}, so neither the native nor the generic family can serve it"
+        ) from None
+
+
 class GenericProcessor:
     """`Processor` for a checkpoint through its own transformers processor (`image`, `images`,
     `expand_prompt`)."""
@@ -179,7 +209,7 @@ class GenericProcessor:
     def __init__(self, model_dir: str | Path, **options: Any) -> None:
         tf = _transformers()
         self.model_dir = Path(model_dir)
-        config = tf.AutoConfig.from_pretrained(self.model_dir)
+        config = hf_config(tf, self.model_dir)
         self.hf = _load_processor(tf, self.model_dir, config)
         self.facts = _facts(config, self.hf, config.model_type)
         # Options go to every processor call as transformers spells them (`images_kwargs`, ...).
