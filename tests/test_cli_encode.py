@@ -409,8 +409,8 @@ def _run_in_process(monkeypatch, capsys, argv: list[str], wrap=None) -> tuple[in
     real_build = encode.build
     if wrap is not None:
 
-        def build(args):
-            failing = wrap(*real_build(args))
+        def build(args, **kw):
+            failing = wrap(*real_build(args, **kw))
             return failing, failing
 
         monkeypatch.setattr(encode, "build", build)

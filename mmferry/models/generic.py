@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -93,6 +93,13 @@ class GenericItem:
     grid_thw: tuple[int, int, int] | None = None
     layout: str = "hf"
 
+    # NOTE: vLLM (0.32) takes no grid or rows of these families as its input, only pixels:
+    # an engine is handed the image itself and loads the rows by uuid (the cache routes say so).
+    engine_needs_pixels: ClassVar[bool] = True
+    # Images only: no frame times (the routes' facts carry them for native videos).
+    timestamps: None = None
+    second_per_grid_t: None = None
+
     def __post_init__(self) -> None:
         if self.modality != "image":
             raise ValueError(f"generic items are images, got {self.modality!r}")
@@ -103,6 +110,15 @@ class GenericItem:
                 f"num_tokens {self.num_tokens} is not within the {len(self.prompt_ids)} "
                 "prompt tokens of the item"
             )
+
+    @property
+    def num_patches(self) -> int:
+        """What the service's batch budget counts: the grid's patches where the processor
+        gives a grid, else the item's rows (a fixed-size tower, Gemma 3's)."""
+        if self.grid_thw is None:
+            return self.num_tokens
+        t, h, w = self.grid_thw
+        return t * h * w
 
 
 @dataclass(frozen=True)
@@ -224,9 +240,23 @@ class GenericProcessor:
         """The checkpoint folder's own processor; `options` go to each of its calls."""
         return cls(model_dir, **options)
 
+    # The item layouts this processor gives: its own processor's tensors only.
+    layouts: tuple[str, ...] = ("hf",)
+
     @property
     def family(self) -> str:
         return GENERIC
+
+    @property
+    def no_video(self) -> str:
+        """Why a video is refused (the generic family carries images)."""
+        name = self.facts.processor_name
+        if getattr(self.hf, "video_processor", None) is None:
+            return f"this checkpoint's processor ({name}) takes no video"
+        return (
+            f"videos through the generic family are not supported ({name} has a video "
+            "processor, but mmferry carries only images for it)"
+        )
 
     def with_options(self, options: dict[str, Any]) -> GenericProcessor:
         """This processor with more options for every call."""
@@ -282,13 +312,7 @@ class GenericProcessor:
 
     def video(self, source: Any, *args: Any, **kwargs: Any):
         """Videos are not carried by the generic family (a clear error either way)."""
-        name = self.facts.processor_name
-        if getattr(self.hf, "video_processor", None) is None:
-            raise ValueError(f"this checkpoint's processor ({name}) takes no video")
-        raise ValueError(
-            f"videos through the generic family are not supported ({name} has a video "
-            "processor, but mmferry carries only images for it)"
-        )
+        raise ValueError(self.no_video)
 
     def expand_prompt(
         self, input_ids: Sequence[int], items: Sequence[GenericItem]
