@@ -150,9 +150,9 @@ def load_error(model: str, e: Exception) -> UsageError:
     return UsageError(text if str(model) in text else f"--model {quoted(model)}: {text}")
 
 
-def build(args: argparse.Namespace, *, generic: bool = True):
-    """The processor and vision tower the arguments name (-> tuple[Processor, VisionEncoder]);
-    without `generic`, a checkpoint read through the generic family is a UsageError."""
+def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
+    """The processor and vision tower the arguments name (the generic family's for a
+    checkpoint without a native spec, or with --family generic)."""
     import torch
 
     import mmferry as mf
@@ -162,8 +162,6 @@ def build(args: argparse.Namespace, *, generic: bool = True):
     dtype = getattr(torch, args.dtype)
     family = family_of(args)
     if args.model:
-        if not generic:
-            native_only(args.model, family)
         try:
             proc = mf.Processor.from_pretrained(args.model, family=family)
         except (OSError, ValueError) as e:
@@ -189,8 +187,8 @@ def build(args: argparse.Namespace, *, generic: bool = True):
 
 
 def native_only(model: str, family: str | None = None) -> None:
-    """UsageError for a checkpoint this command would read through the generic family: the
-    command's own format (compact-u8 items with grids) carries native families' items only."""
+    """UsageError for a checkpoint `mmferry demo` would read through the generic family: it
+    runs the native path (compact-u8 items with grids, mRoPE prompts)."""
     import json
     from pathlib import Path
 
@@ -201,15 +199,14 @@ def native_only(model: str, family: str | None = None) -> None:
         return
     if family is not None:
         raise UsageError(
-            "--family generic: this command carries native families only; mmferry serve and "
+            "--family generic: the demo runs native families only; mmferry serve, encode and "
             "the library read a checkpoint through the generic family"
         )
     model_type = json.loads((Path(model) / "config.json").read_text()).get("model_type")
     raise UsageError(
-        f"--model {quoted(model)}: model_type {model_type!r} has no native spec, and this "
-        f"command carries native families only ({', '.join(supported_model_types())}); "
-        "mmferry serve and the library read it through the generic family "
-        "(Processor.from_pretrained, VisionEncoder.from_pretrained)"
+        f"--model {quoted(model)}: model_type {model_type!r} has no native spec, and the "
+        f"demo runs native families only ({', '.join(supported_model_types())}); "
+        "mmferry serve, encode and the library read it through the generic family"
     )
 
 

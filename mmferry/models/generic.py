@@ -310,6 +310,30 @@ class GenericProcessor:
                 out.append(ItemError(i, e))
         return out
 
+    def items(
+        self,
+        parts: Sequence[Any],
+        *,
+        layout: str = "hf",
+        threads: int | None = None,
+        partial: bool = False,
+    ) -> list[Any]:
+        """`Processor.items` for a batch of `ImagePart` / `VideoPart`: images one after
+        another; a video is that item's `ItemError` (the generic family carries images)."""
+        from mmferry.preprocess.batch import ItemError, VideoPart
+
+        out: list[Any] = []
+        for i, part in enumerate(parts):
+            try:
+                if isinstance(part, VideoPart):
+                    raise ValueError(self.no_video)
+                out.append(self.image(part.source, layout, threads=threads))
+            except ValueError as e:
+                if not partial:
+                    raise ItemError(i, e) from None
+                out.append(ItemError(i, e))
+        return out
+
     def video(self, source: Any, *args: Any, **kwargs: Any):
         """Videos are not carried by the generic family (a clear error either way)."""
         raise ValueError(self.no_video)
