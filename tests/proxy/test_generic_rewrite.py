@@ -77,3 +77,46 @@ def test_the_engine_helpers_refuse_items_vllm_takes_as_pixels_only():
     item = EncodedItem("image", torch.zeros(4, 8), (), None, 4, "h1")
     with pytest.raises(ValueError, match="MmferryECConnector loads its rows"):
         to_vllm([item])
+
+
+def test_the_proxy_over_a_generic_encoder(tmp_path):
+    """A real `mmferry serve` on a tiny Gemma 3 and `mmferry proxy` in both modes, in front of
+    a recording engine: connector mode forwards the image's own data: URL named by the
+    encoder's hash; embeds mode answers 501 naming connector mode, and forwards nothing."""
+    import httpx
+
+    from mmferry.testing.families import save_family_checkpoint
+    from tests.engines.tiny_vlm import image
+    from tests.proxy.conftest import chat_body, image_part
+    from tests.proxy.procs import RecordingEngine, encoder, proxy
+
+    model = save_family_checkpoint("gemma3", tmp_path / "gemma3")
+    engine = RecordingEngine()
+    started = []
+    try:
+        enc = encoder(model).start()
+        started.append(enc)
+        connector = proxy(engine.url, [enc.url], "connector").start()
+        started.append(connector)
+        embeds = proxy(engine.url, [enc.url], "embeds").start()
+        started.append(embeds)
+        part = image_part(image(56, 84, 0))
+        body = chat_body([{"type": "text", "text": "hi"}, part, part])
+        r = httpx.post(f"{connector.url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        (sent,) = [x.json() for x in engine.take() if x.path.endswith("/chat/completions")]
+        parts = sent["messages"][0]["content"][1:]
+        facts = httpx.post(
+            f"{enc.url}/v1/cache/encode", json={"content": [part]}, timeout=60
+        ).json()["items"][0]
+        for p in parts:
+            assert p["type"] == "image_url" and p["image_url"] == part["image_url"]
+            assert p["uuid"].split("@")[0] == facts["hash"]
+        r = httpx.post(f"{embeds.url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 501, r.text
+        assert "--mode connector" in r.json()["error"]["message"]
+        assert not [x for x in engine.take() if x.path.endswith("/chat/completions")]
+    finally:
+        for p in reversed(started):
+            p.stop()
+        engine.close()
