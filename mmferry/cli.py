@@ -10,8 +10,10 @@ from pathlib import Path
 from mmferry.commands import CommandParser, HelpFormatter, UsageError
 from mmferry.commands.model_args import (
     DTYPES,
+    add_family_arg,
     add_resize_args,
     check_device,
+    family_of,
     load_error,
     native_only,
     resize_options,
@@ -38,8 +40,9 @@ def _demo(args: argparse.Namespace) -> int:
 
     check_device(args.device)
     options = resize_options(args)
+    family = family_of(args)
     if args.model:
-        native_only(args.model)
+        native_only(args.model, family)
         if args.max_pixels == DEMO_MAX_PIXELS:
             options.pop("max_pixels")  # a checkpoint keeps its own unless told
         try:
@@ -154,6 +157,7 @@ def _add_demo_args(demo: argparse.ArgumentParser) -> None:
         help="a local Qwen-VL checkpoint folder (default: the built-in Qwen3-VL-2B-sized tower "
         "with seeded RANDOM weights)",
     )
+    add_family_arg(demo)
     add_resize_args(
         demo,
         max_pixels=DEMO_MAX_PIXELS,

@@ -37,6 +37,13 @@ class Processor:
         self.model_dir = None if model_dir is None else Path(model_dir)
         self._chat_template = chat_template
 
+    # The item layouts this processor gives, the default first.
+    layouts: tuple[str, ...] = ("compact-u8", "hf")
+
+    @property
+    def family(self) -> str:
+        return self.config.family
+
     @classmethod
     def for_model(cls, name: str, **overrides: Any) -> Processor:
         """A preset equal to the public checkpoint's defaults ("qwen3-vl", "qwen2.5-vl", ...).

@@ -67,6 +67,41 @@ def test_a_generic_family_checkpoint_is_one_line(tmp_path, capsys):
     _one_line_error(capsys, argv, "model_type 'gemma3' has no native spec", "generic family")
 
 
+def test_family_generic_without_a_checkpoint_is_one_line(capsys):
+    for cmd in ("demo", "serve"):
+        _one_line_error(capsys, [cmd, "--family", "generic"], "--family generic needs --model")
+
+
+def test_a_checkpoint_neither_family_serves_is_one_line(tmp_path, capsys):
+    """A model_type transformers does not know, and a text-only checkpoint of a known one:
+    `mmferry serve` names why, in one line, before it listens."""
+    import json
+
+    from mmferry.testing.families import save_family_checkpoint
+
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "no-such-vlm"}))
+    _one_line_error(
+        capsys,
+        ["serve", "--model", str(unknown), "--port", "0"],
+        "'no-such-vlm' is neither native to mmferry",
+        "neither the native nor the generic family can serve it",
+    )
+    text = save_family_checkpoint("gemma3", tmp_path / "text")
+    config = json.loads((text / "config.json").read_text())
+    (text / "config.json").write_text(
+        json.dumps({**config["text_config"], "model_type": "gemma3_text"})
+    )
+    capsys.readouterr()  # the builder's own progress output
+    _one_line_error(
+        capsys,
+        ["serve", "--model", str(text), "--port", "0"],
+        "gemma3_text",
+        "the generic family cannot serve it",
+    )
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_device_without_cuda_is_one_line(capsys):
     _one_line_error(capsys, ["demo", "--device", "cuda"], "--device cuda", "torch")

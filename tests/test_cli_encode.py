@@ -385,6 +385,7 @@ class _Failing:
     def __init__(self, proc, enc, bad_hash: str) -> None:
         self.proc, self.enc, self.bad_hash = proc, enc, bad_hash
         self.calls: list[int] = []
+        self.layouts, self.family = proc.layouts, proc.family
 
     def items(self, parts, **kwargs):
         """The batch API with partial results; poison.png fails as no refusal would."""
@@ -618,22 +619,44 @@ def test_a_model_that_cannot_be_built_is_one_line(tmp_path, monkeypatch, capsys)
     assert not out.exists()
 
 
-def test_a_generic_family_checkpoint_is_a_usage_error(tmp_path, monkeypatch, capsys):
-    """A checkpoint without a native spec (Gemma 3) is refused before anything is built: the
-    command's file and engines carry native items only (the library reads it generically)."""
-    from mmferry.testing.families import save_family_checkpoint
+def test_a_generic_family_checkpoint_is_encoded_as_transformers_does(tmp_path, monkeypatch, capsys):
+    """A Gemma 3 checkpoint (no native spec) goes through the generic family: the file holds
+    transformers' own rows for each image, a video is that input's failure (its processor takes
+    none), and --layout compact-u8 is refused in one line."""
+    import transformers
 
-    _png(tmp_path / "a.png", 64, 64, 0)
+    from mmferry.server.encoded import load_file
+    from mmferry.testing.families import save_family_checkpoint
+    from tests.models.test_generic import hf_processor, hf_rows
+
+    _png(tmp_path / "a.png", 64, 48, 0)
+    _png(tmp_path / "b.png", 40, 72, 1)
+    (tmp_path / "c.mp4").write_bytes(b"not read")
     model = save_family_checkpoint("gemma3", tmp_path / "gemma3")
     capsys.readouterr()  # the builder's own progress output
     out = tmp_path / "o.safetensors"
+    inputs = [str(tmp_path / n) for n in ("a.png", "b.png", "c.mp4")]
     rc, stderr = _run_in_process(
-        monkeypatch, capsys, [str(tmp_path / "a.png"), "--out", str(out), "--model", str(model)]
+        monkeypatch, capsys, [*inputs, "--out", str(out), "--model", str(model)]
     )
-    assert rc == 2 and "Traceback" not in stderr
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and "model_type 'gemma3' has no native spec" in lines[0]
-    assert "generic family" in lines[0] and not out.exists()
+    assert rc == 1 and "Traceback" not in stderr, stderr
+    assert "c.mp4: this checkpoint's processor (Gemma3Processor) takes no video" in stderr
+    items = load_file(out)
+    hf = hf_processor(model)
+    tf_model = transformers.AutoModelForImageTextToText.from_pretrained(model).eval()
+    assert len(items) == 2
+    for it, name in zip(items, ("a.png", "b.png"), strict=True):
+        img = Image.open(tmp_path / name).convert("RGB")
+        want = hf_rows(tf_model, hf(text=[hf.image_token], images=[img], return_tensors="pt"))
+        assert it.grid_thw is None and it.embeds.shape == want.shape
+        assert (it.embeds - want).abs().max().item() <= 1e-5
+    rc, stderr = _run_in_process(
+        monkeypatch,
+        capsys,
+        [inputs[0], "--out", str(tmp_path / "x.safetensors"), "--model", str(model)]
+        + ["--layout", "compact-u8"],
+    )
+    assert rc == 2 and "carries hf" in stderr and not (tmp_path / "x.safetensors").exists()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -46,10 +46,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument(
         "--layout",
-        default="compact-u8",
         choices=["compact-u8", "hf"],
         help="the rows the tower is fed: compact-u8 (uint8, normalised inside the tower) or hf "
-        "(transformers' float32 rows)",
+        "(transformers' float32 rows); default: compact-u8, hf for the generic family (the "
+        "only one it carries)",
     )
     p.add_argument(
         "--batch-patches", type=int, default=16384, help="patch budget of one encoder call"
@@ -176,6 +176,14 @@ def _run(args: argparse.Namespace, written: list[Path]) -> int:
             f"mmferry encode: cannot build the model: {_why(e)}; nothing written", file=sys.stderr
         )
         return 2
+    layout = args.layout or proc.layouts[0]
+    if layout not in proc.layouts:
+        print(
+            f"mmferry encode: --layout {layout}: this checkpoint is read through the "
+            f"{proc.family} family, which carries {', '.join(proc.layouts)}; nothing written",
+            file=sys.stderr,
+        )
+        return 2
     print(f"mmferry encode: {len(files)} inputs with {enc!r}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     bar = Progress(len(files))
@@ -183,9 +191,7 @@ def _run(args: argparse.Namespace, written: list[Path]) -> int:
     done: dict[str, object] = {}  # encoder output by item hash: a repeat is encoded once
     # Chunk by chunk: only one chunk's pixel rows are held at a time, however many inputs.
     for start in range(0, len(files), CHUNK):
-        prepared = _prepare(
-            proc, files[start : start + CHUNK], args.layout, args.threads, failed, bar
-        )
+        prepared = _prepare(proc, files[start : start + CHUNK], layout, args.threads, failed, bar)
         encoded += _encode_all(enc, prepared, max(args.batch_patches, 1), failed, bar, done)
     bar.close()
     for src, why in failed:

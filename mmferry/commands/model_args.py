@@ -17,8 +17,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         metavar="DIR",
-        help="a local Qwen-VL checkpoint folder (default: the built-in tower, see --random)",
+        help="a local checkpoint folder (default: the built-in tower, see --random)",
     )
+    add_family_arg(p)
     p.add_argument(
         "--random",
         default="qwen3-vl",
@@ -34,6 +35,28 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="where the tower runs (cpu, cuda, cuda:1)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="the tower's parameter dtype")
     add_resize_args(p)
+
+
+def add_family_arg(p: argparse.ArgumentParser) -> None:
+    """--family: the checkpoint's native spec, or transformers' own code (the generic family)."""
+    from mmferry.models.generic import FAMILY_CHOICES
+
+    p.add_argument(
+        "--family",
+        default="auto",
+        choices=FAMILY_CHOICES,
+        help="with --model: auto reads a Qwen-VL checkpoint through mmferry's native spec (the "
+        "fast path) and any other image-text checkpoint through transformers' own processor "
+        "and vision code; generic forces the latter",
+    )
+
+
+def family_of(args: argparse.Namespace) -> str | None:
+    """The `family=` the library loaders take for --family; UsageError without --model."""
+    family = getattr(args, "family", "auto")
+    if family != "auto" and not args.model:
+        raise UsageError(f"--family {family} needs --model (the built-in towers are native)")
+    return None if family == "auto" else family
 
 
 def add_resize_args(
@@ -128,7 +151,8 @@ def load_error(model: str, e: Exception) -> UsageError:
 
 
 def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
-    """The processor and vision tower the arguments name."""
+    """The processor and vision tower the arguments name (the generic family's for a
+    checkpoint without a native spec, or with --family generic)."""
     import torch
 
     import mmferry as mf
@@ -136,10 +160,10 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
 
     check_device(args.device)
     dtype = getattr(torch, args.dtype)
+    family = family_of(args)
     if args.model:
-        native_only(args.model)
         try:
-            proc = mf.Processor.from_pretrained(args.model)
+            proc = mf.Processor.from_pretrained(args.model, family=family)
         except (OSError, ValueError) as e:
             raise load_error(args.model, e) from None
     else:
@@ -147,7 +171,9 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
     proc = with_options(proc, resize_options(args))  # checked before the tower is built
     if args.model:
         try:
-            enc = mf.VisionEncoder.from_pretrained(args.model, device=args.device, dtype=dtype)
+            enc = mf.VisionEncoder.from_pretrained(
+                args.model, device=args.device, dtype=dtype, family=family
+            )
         except (OSError, ValueError) as e:
             raise load_error(args.model, e) from None
         return proc, enc
@@ -160,23 +186,27 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
     return proc, enc
 
 
-def native_only(model: str) -> None:
-    """UsageError for a checkpoint only the library's generic family reads: the commands'
-    service, file format and engines carry native families' items (grids, compact-u8)."""
+def native_only(model: str, family: str | None = None) -> None:
+    """UsageError for a checkpoint `mmferry demo` would read through the generic family: it
+    runs the native path (compact-u8 items with grids, mRoPE prompts)."""
     import json
     from pathlib import Path
 
     from mmferry.models import supported_model_types
     from mmferry.models.generic import uses_generic
 
-    if not uses_generic(model, None):
+    if not uses_generic(model, family):
         return
+    if family is not None:
+        raise UsageError(
+            "--family generic: the demo runs native families only; mmferry serve, encode and "
+            "the library read a checkpoint through the generic family"
+        )
     model_type = json.loads((Path(model) / "config.json").read_text()).get("model_type")
     raise UsageError(
         f"--model {quoted(model)}: model_type {model_type!r} has no native spec, and the "
-        f"commands carry native families only ({', '.join(supported_model_types())}); the "
-        "library reads it through the generic family (Processor.from_pretrained, "
-        "VisionEncoder.from_pretrained)"
+        f"demo runs native families only ({', '.join(supported_model_types())}); "
+        "mmferry serve, encode and the library read it through the generic family"
     )
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from mmferry.encoder.loader import _shards
 from mmferry.encoder.output import VisionOutput
-from mmferry.models.generic import GenericItem, _transformers
+from mmferry.models.generic import GenericItem, _transformers, hf_config
 
 
 def _language_prefixes(model: nn.Module) -> tuple[str, ...]:
@@ -111,10 +111,16 @@ class GenericVisionEncoder:
         tf = _transformers()
         root = Path(model_dir)
         device = torch.device(device)
-        config = tf.AutoConfig.from_pretrained(root)
+        config = hf_config(tf, root)
         config._attn_implementation = attention
         with torch.device("meta"):
-            model = tf.AutoModelForImageTextToText.from_config(config)
+            try:
+                model = tf.AutoModelForImageTextToText.from_config(config)
+            except ValueError:  # no image-text model class for this config
+                raise ValueError(
+                    f"{root}: transformers has no image-text model for model_type "
+                    f"{config.model_type!r}, so the generic family cannot serve it"
+                ) from None
         skip = _language_prefixes(model)
         wanted = {k for k in model.state_dict() if not k.startswith(skip)}
         if not wanted:

@@ -55,6 +55,14 @@ class EngineItem:
 def _one(item: Any, output: Any, grid: Any, dtype: torch.dtype | None) -> EngineItem:
     from mmferry.server.encoded import EncodedItem
 
+    if getattr(item, "engine_needs_pixels", False) or (
+        isinstance(item, EncodedItem) and item.grid_thw is None
+    ):
+        raise ValueError(
+            "a generic-family item goes to vLLM as its pixels, with its hash as uuid, and "
+            "MmferryECConnector loads its rows: vLLM (0.32) takes no precomputed rows of these "
+            "models (Gemma 3 refuses image_embeds; GLM-4.1V's parser takes no grid)"
+        )
     if isinstance(item, EncodedItem):
         rows = packed_rows(item.embeds, item.deepstack, dtype)
         return EngineItem(item.modality, tuple(item.grid_thw), rows, item.hash)

@@ -138,6 +138,14 @@ def to_vllm_refs(facts: Sequence[dict[str, Any]]) -> VllmInputs:
     """Inputs that name items instead of carrying rows, for an engine whose encoder-cache
     connector loads them: grids, Qwen3-VL video timestamps and uuids from the facts
     `POST /v1/cache/encode` answers (`modality`, `hash`, `grid_thw`, `timestamps`)."""
+    for f in facts:
+        if f.get("pixels"):
+            # NOTE: vLLM (0.32) takes no grid of such a model; its pixels must go with the hash
+            # as uuid (`multi_modal_uuids`), and the connector loads the rows by it.
+            raise ValueError(
+                f"item {f['hash']}: vLLM takes this model's images as pixels only; send the "
+                "image itself with the hash as its uuid, and the connector loads its rows"
+            )
     data: dict[str, dict[str, Any]] = {}
     ids: dict[str, list[str | None]] = {}
     for modality in MODALITIES:

@@ -86,13 +86,18 @@ class MmferryECMetadata(ECConnectorMetadata):
 
 def deepstack_levels(model_config: Any) -> int:
     """The checkpoint's deepstack levels, from its vision config through the family's spec (the
-    same table that reads the tower), so no family is named here."""
+    same table that reads the tower), so no family is named here; 0 for a model mmferry serves
+    through the generic family (`get_image_features` rows carry no deepstack)."""
     from mmferry.models.registry import spec_for
 
     hf = model_config.hf_config
+    try:
+        spec = spec_for(str(hf.model_type))
+    except ValueError:  # no native spec: the generic family's rows
+        return 0
     vision = getattr(hf, "vision_config", None)
     vision = vision.to_dict() if hasattr(vision, "to_dict") else dict(vision or {})
-    return len(spec_for(str(hf.model_type)).vision_from_hf(vision).deepstack_visual_indexes)
+    return len(spec.vision_from_hf(vision).deepstack_visual_indexes)
 
 
 def row_spec(model_config: Any) -> RowSpec:

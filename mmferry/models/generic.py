@@ -15,13 +15,16 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from mmferry.models.registry import spec_for
 
 GENERIC = "generic"
+# What `--family` takes: "auto" (the native spec where mmferry has one, else generic) or
+# "generic" (transformers' own code, for a native checkpoint too).
+FAMILY_CHOICES = ("auto", GENERIC)
 # The processor's outputs that belong to the text, not to one item.
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 
@@ -38,8 +41,9 @@ def _transformers():
 
 
 def uses_generic(model_dir: str | Path, family: str | None) -> bool:
-    """Whether `model_dir` goes through the generic family: asked for, or no native spec."""
-    if family is not None:
+    """Whether `model_dir` goes through the generic family: asked for, or no native spec
+    (`family` None or "auto")."""
+    if family is not None and family != "auto":
         if family == GENERIC:
             return True
         spec_for(family)  # a native family by name: a clear error when unknown
@@ -89,6 +93,13 @@ class GenericItem:
     grid_thw: tuple[int, int, int] | None = None
     layout: str = "hf"
 
+    # NOTE: vLLM (0.32) takes no grid or rows of these families as its input, only pixels:
+    # an engine is handed the image itself and loads the rows by uuid (the cache routes say so).
+    engine_needs_pixels: ClassVar[bool] = True
+    # Images only: no frame times (the routes' facts carry them for native videos).
+    timestamps: None = None
+    second_per_grid_t: None = None
+
     def __post_init__(self) -> None:
         if self.modality != "image":
             raise ValueError(f"generic items are images, got {self.modality!r}")
@@ -99,6 +110,15 @@ class GenericItem:
                 f"num_tokens {self.num_tokens} is not within the {len(self.prompt_ids)} "
                 "prompt tokens of the item"
             )
+
+    @property
+    def num_patches(self) -> int:
+        """What the service's batch budget counts: the grid's patches where the processor
+        gives a grid, else the item's rows (a fixed-size tower, Gemma 3's)."""
+        if self.grid_thw is None:
+            return self.num_tokens
+        t, h, w = self.grid_thw
+        return t * h * w
 
 
 @dataclass(frozen=True)
@@ -155,13 +175,19 @@ def _facts(config: Any, hf_processor: Any, model_type: str) -> GenericFacts:
     name = type(hf_processor).__name__
     placeholder = getattr(hf_processor, "image_token", None)
     if not isinstance(placeholder, str):
-        raise ValueError(f"{name} names no image token; this checkpoint takes no images")
+        raise ValueError(
+            f"{model_type}: its processor ({name}) names no image token, so the checkpoint "
+            "takes no images and the generic family cannot serve it"
+        )
     tok = hf_processor.tokenizer
     placeholder_id = tok.convert_tokens_to_ids(placeholder)
     row = getattr(config, "image_token_id", None)
     row = getattr(config, "image_token_index", None) if row is None else row
     if not isinstance(placeholder_id, int) or placeholder_id == tok.unk_token_id or row is None:
-        raise ValueError(f"{model_type}: the image token is missing from the tokenizer or config")
+        raise ValueError(
+            f"{model_type}: the image token is missing from the tokenizer or config, so the "
+            "generic family cannot serve it"
+        )
     return GenericFacts(
         model_type=model_type,
         placeholder=placeholder,
@@ -172,6 +198,26 @@ def _facts(config: Any, hf_processor: Any, model_type: str) -> GenericFacts:
     )
 
 
+def hf_config(tf: Any, root: Path) -> Any:
+    """The folder's transformers config; a ValueError saying neither path can read it."""
+    try:
+        return tf.AutoConfig.from_pretrained(root)
+    except ValueError:  # a model_type this transformers does not know
+        from mmferry.models import supported_model_types
+
+        try:
+            model_type = json.loads((root / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = None
+        if model_type is None:
+            raise
+        raise ValueError(
+            f"{root}: model_type {model_type!r} is neither native to mmferry "
+            f"({', '.join(supported_model_types())}) nor known to transformers "
+            f"{tf.__version__}, so neither the native nor the generic family can serve it"
+        ) from None
+
+
 class GenericProcessor:
     """`Processor` for a checkpoint through its own transformers processor (`image`, `images`,
     `expand_prompt`)."""
@@ -179,7 +225,7 @@ class GenericProcessor:
     def __init__(self, model_dir: str | Path, **options: Any) -> None:
         tf = _transformers()
         self.model_dir = Path(model_dir)
-        config = tf.AutoConfig.from_pretrained(self.model_dir)
+        config = hf_config(tf, self.model_dir)
         self.hf = _load_processor(tf, self.model_dir, config)
         self.facts = _facts(config, self.hf, config.model_type)
         # Options go to every processor call as transformers spells them (`images_kwargs`, ...).
@@ -194,9 +240,23 @@ class GenericProcessor:
         """The checkpoint folder's own processor; `options` go to each of its calls."""
         return cls(model_dir, **options)
 
+    # The item layouts this processor gives: its own processor's tensors only.
+    layouts: tuple[str, ...] = ("hf",)
+
     @property
     def family(self) -> str:
         return GENERIC
+
+    @property
+    def no_video(self) -> str:
+        """Why a video is refused (the generic family carries images)."""
+        name = self.facts.processor_name
+        if getattr(self.hf, "video_processor", None) is None:
+            return f"this checkpoint's processor ({name}) takes no video"
+        return (
+            f"videos through the generic family are not supported ({name} has a video "
+            "processor, but mmferry carries only images for it)"
+        )
 
     def with_options(self, options: dict[str, Any]) -> GenericProcessor:
         """This processor with more options for every call."""
@@ -250,15 +310,33 @@ class GenericProcessor:
                 out.append(ItemError(i, e))
         return out
 
+    def items(
+        self,
+        parts: Sequence[Any],
+        *,
+        layout: str = "hf",
+        threads: int | None = None,
+        partial: bool = False,
+    ) -> list[Any]:
+        """`Processor.items` for a batch of `ImagePart` / `VideoPart`: images one after
+        another; a video is that item's `ItemError` (the generic family carries images)."""
+        from mmferry.preprocess.batch import ItemError, VideoPart
+
+        out: list[Any] = []
+        for i, part in enumerate(parts):
+            try:
+                if isinstance(part, VideoPart):
+                    raise ValueError(self.no_video)
+                out.append(self.image(part.source, layout, threads=threads))
+            except ValueError as e:
+                if not partial:
+                    raise ItemError(i, e) from None
+                out.append(ItemError(i, e))
+        return out
+
     def video(self, source: Any, *args: Any, **kwargs: Any):
         """Videos are not carried by the generic family (a clear error either way)."""
-        name = self.facts.processor_name
-        if getattr(self.hf, "video_processor", None) is None:
-            raise ValueError(f"this checkpoint's processor ({name}) takes no video")
-        raise ValueError(
-            f"videos through the generic family are not supported ({name} has a video "
-            "processor, but mmferry carries only images for it)"
-        )
+        raise ValueError(self.no_video)
 
     def expand_prompt(
         self, input_ids: Sequence[int], items: Sequence[GenericItem]

@@ -2,7 +2,9 @@
 
 Nothing an encoder answers is trusted: a `/v1/cache/encode` answer must be one item's facts of
 the part's modality (a non-empty printable hash, a grid of three positive ints, a token count
-the grid gives, one timestamp per temporal patch or none, `held` a bool), and a
+the grid gives, one timestamp per temporal patch or none, `held` a bool; `pixels` a bool, and
+when true, an image whose grid may be null: the generic family's, which the engine is sent as
+pixels), and a
 `/v1/cache/load` body safetensors holding exactly that hash's rows, `[num_tokens, width]` in the
 dtype asked for, as the rewrite will hand them to the engine. The proxy does not know the
 model's width, so any width above 0 passes. Anything else raises `BadEncoderAnswer`, which the
@@ -59,28 +61,36 @@ def encode_facts(content: bytes, modality: str) -> dict[str, Any]:
     h = f.get("hash")
     if not (isinstance(h, str) and 0 < len(h) <= HASH_CHARS and h.isascii() and h.isprintable()):
         raise BadEncoderAnswer(f"encode: hash {h!r} is not 1 to {HASH_CHARS} printable characters")
+    pixels = f.get("pixels", False)  # a service before the generic family sends none
+    if not isinstance(pixels, bool) or (pixels and modality != "image"):
+        raise BadEncoderAnswer(f"encode: pixels {pixels!r} for a {modality} part")
     grid = f.get("grid_thw")
-    if not (isinstance(grid, list) and len(grid) == 3 and all(_int(v) and v > 0 for v in grid)):
+    gridless = pixels and grid is None  # a processor without a grid (Gemma 3's)
+    if not gridless and not (
+        isinstance(grid, list) and len(grid) == 3 and all(_int(v) and v > 0 for v in grid)
+    ):
         raise BadEncoderAnswer(f"encode: grid_thw {grid!r} is not three positive ints")
     tokens = f.get("num_tokens")
-    if not (_int(tokens) and tokens > 0 and _merges_to(grid, tokens)):
+    if not (_int(tokens) and tokens > 0 and (gridless or _merges_to(grid, tokens))):
         raise BadEncoderAnswer(f"encode: num_tokens {tokens!r} does not fit grid {grid}")
     stamps = f.get("timestamps")
     numbers = isinstance(stamps, list) and all(
         isinstance(s, (int, float)) and not isinstance(s, bool) for s in stamps
     )
-    if stamps is not None and not (numbers and len(stamps) == grid[0]):
-        raise BadEncoderAnswer(f"encode: timestamps {stamps!r} for {grid[0]} temporal patches")
+    if stamps is not None and (gridless or not (numbers and len(stamps) == grid[0])):
+        patches = "no grid" if gridless else f"{grid[0]} temporal patches"
+        raise BadEncoderAnswer(f"encode: timestamps {stamps!r} for {patches}")
     held = f.get("held", True)  # a service without "held" pins every item it encodes
     if not isinstance(held, bool):
         raise BadEncoderAnswer(f"encode: held {held!r} is not a bool")
     return {
         "modality": modality,
         "hash": h,
-        "grid_thw": list(grid),
+        "grid_thw": None if gridless else list(grid),
         "num_tokens": tokens,
         "timestamps": stamps,
         "held": held,
+        "pixels": pixels,
     }
 
 

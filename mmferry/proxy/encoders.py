@@ -149,6 +149,17 @@ class EncoderPool:
             return None
         if self.config.mode == "connector":
             return Encoded(facts)
+        if facts["pixels"]:
+            # NOTE: refused, not sent as pixels for vLLM to encode itself: the deployment
+            # asked for the encoders' rows, and would get vLLM's own without a word.
+            raise RequestError(
+                501,
+                "not_supported",
+                f"{media.part.where}: the encoders serve this model through mmferry's generic "
+                "family, whose rows vLLM (0.32) takes through its encoder-cache connector only, "
+                "not as embeddings: run mmferry proxy --mode connector, with vLLM's "
+                "MmferryECConnector",
+            )
         # Embeds mode: the rows come through the proxy; the load releases the pin.
         body = {"hashes": [facts["hash"]], "dtype": self.config.dtype}
         try:

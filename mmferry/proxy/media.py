@@ -224,8 +224,9 @@ def by_reference(media: Sequence[Media], answers: Sequence[Encoded | None], mode
 
 def _pixel_modalities(media: Sequence[Media], answers: Sequence[Encoded | None]) -> set[str]:
     """The modalities that go as pixels: vLLM refuses raw and embedding parts of one modality
-    in one request, so one item without an encoder's answer sends its whole modality."""
-    return {m.modality for m, a in zip(media, answers) if a is None}
+    in one request, so one item without an encoder's answer, or one the engine takes as pixels
+    only (the generic family's: held, its rows loaded by uuid), sends its whole modality."""
+    return {m.modality for m, a in zip(media, answers) if a is None or a.facts.get("pixels")}
 
 
 def uuid(answer: Encoded, media: Media) -> str:
@@ -259,6 +260,13 @@ def rewrite(
             try:
                 new = pixel_part(m, uuid(answer, m) if held else None)
             except NotAsPixels as e:
+                if answer is not None and answer.facts.get("pixels"):
+                    raise RequestError(
+                        422,
+                        "bad_request",
+                        f"{e}; the engine reads this model's images from their pixels only "
+                        "(its rows are loaded by uuid): send a data: URL or an allowed URL",
+                    ) from None
                 raise _no_pixels(e, media, answers) from None
         elif mode == "connector":
             new = _ref_part(answer.facts, uuid(answer, m))

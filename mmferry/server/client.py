@@ -68,8 +68,13 @@ def path_part(path: str | Path, modality: str = "image") -> dict[str, Any]:
     return {"type": kind, kind: {"url": Path(path).resolve().as_uri()}}
 
 
-def _body(parts: Sequence[dict[str, Any]], layout: str, dtype: str | None, shm: bool) -> dict:
-    body: dict[str, Any] = {"content": list(parts), "layout": layout}
+def _body(
+    parts: Sequence[dict[str, Any]], layout: str | None, dtype: str | None, shm: bool
+) -> dict:
+    # No layout: the service's default (compact-u8 for native families, hf for the generic).
+    body: dict[str, Any] = {"content": list(parts)}
+    if layout is not None:
+        body["layout"] = layout
     if dtype is not None:
         body["dtype"] = dtype
     if shm:
@@ -109,7 +114,7 @@ def _parse(response: Any) -> list[EncodedItem]:
                 modality=d["modality"],
                 embeds=open_handle(d["embeds"]),
                 deepstack=tuple(open_handle(h) for h in d["deepstack"]),
-                grid_thw=tuple(d["grid_thw"]),
+                grid_thw=None if d["grid_thw"] is None else tuple(d["grid_thw"]),
                 num_tokens=d["num_tokens"],
                 hash=d["hash"],
             )
@@ -129,7 +134,7 @@ class EncoderClient:
         self,
         parts: Sequence[dict[str, Any]],
         *,
-        layout: str = "compact-u8",
+        layout: str | None = None,
         dtype: str | None = None,
         shm: bool = False,
     ) -> list[EncodedItem]:
@@ -170,7 +175,7 @@ class AsyncEncoderClient:
         self,
         parts: Sequence[dict[str, Any]],
         *,
-        layout: str = "compact-u8",
+        layout: str | None = None,
         dtype: str | None = None,
         shm: bool = False,
     ) -> list[EncodedItem]:

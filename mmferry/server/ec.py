@@ -283,11 +283,15 @@ def caller_of(request: Any) -> str:
 
 
 def facts(item: Any) -> dict[str, Any]:
-    """What a router sends the engine instead of the rows: hash, grid, and video timing."""
+    """What a router sends the engine instead of the rows: hash, grid, and video timing;
+    `pixels`: whether the engine must be given the item's pixels too (it plans the rows from
+    them and loads them by uuid), as for the generic family, which vLLM takes no grid of."""
+    grid = item.grid_thw
     return {
         "modality": item.modality,
         "hash": item.hash,
-        "grid_thw": list(item.grid_thw),
+        "grid_thw": None if grid is None else list(grid),
+        "pixels": getattr(item, "engine_needs_pixels", False),
         "num_tokens": item.num_tokens,
         # Qwen3-VL writes these into the prompt (`<t seconds>`); vLLM needs them with the grid.
         "timestamps": None if item.timestamps is None else list(item.timestamps),

@@ -25,7 +25,8 @@ class EncodedItem:
     modality: str
     embeds: torch.Tensor
     deepstack: tuple[torch.Tensor, ...]
-    grid_thw: tuple[int, int, int]
+    # None for an item of the generic family whose processor gives no grid (Gemma 3).
+    grid_thw: tuple[int, int, int] | None
     num_tokens: int
     hash: str
     source: str = ""
@@ -73,7 +74,7 @@ class EncodedItem:
         """Everything but the tensors, as JSON-ready values."""
         return {
             "modality": self.modality,
-            "grid_thw": list(self.grid_thw),
+            "grid_thw": None if self.grid_thw is None else list(self.grid_thw),
             "num_tokens": self.num_tokens,
             "hash": self.hash,
             "source": self.source,
@@ -166,7 +167,7 @@ def _build(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> list[Encod
                 modality=f["modality"],
                 embeds=tensors[f"{i}.embeds"],
                 deepstack=tuple(tensors[f"{i}.deepstack.{k}"] for k in range(f["deepstack"])),
-                grid_thw=tuple(f["grid_thw"]),
+                grid_thw=None if f["grid_thw"] is None else tuple(f["grid_thw"]),
                 num_tokens=f["num_tokens"],
                 hash=f["hash"],
                 source=f.get("source", ""),

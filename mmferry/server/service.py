@@ -27,7 +27,8 @@ from mmferry.chat.parts import MediaPart, PartError, read_part
 from mmferry.chat.sources import Reference
 from mmferry.embed.cache import EncoderCache
 from mmferry.encoder.model import VisionEncoder, VisionOutput
-from mmferry.items import LAYOUTS, MultimodalItem
+from mmferry.items import MultimodalItem
+from mmferry.models.generic import GENERIC
 from mmferry.preprocess.batch import batch_threads
 from mmferry.preprocess.item_pool import ItemPool
 from mmferry.preprocess.scheduler import source_bytes
@@ -40,6 +41,7 @@ from mmferry.server.remote import RemoteFetcher
 from mmferry.server.sources import (
     check_frame,
     check_frame_count,
+    check_generic,
     check_media,
     parse_request,
     refused,
@@ -120,6 +122,10 @@ class EncoderService:
         self.processor = processor
         self.encoder = encoder
         self.config = config
+        # The generic family (transformers' own processor, images only) has no native
+        # settings: no resize rules to size a header by, no per-item keys, no videos.
+        self.generic = processor.family == GENERIC
+        self._cfg = None if self.generic else processor.config
         self.metrics = Metrics()
         self.cache = EncoderCache(config.cache_bytes)
         self.metrics.cache_bytes.set_function(lambda: self.cache.used_bytes)
@@ -178,7 +184,8 @@ class EncoderService:
                 f"unknown field(s) {named}{more}; accepted: content or messages, "
                 f"{', '.join(OPTIONS)}",
             )
-        layout = _choice(options, "layout", "compact-u8", LAYOUTS)
+        layouts = self.processor.layouts
+        layout = _choice(options, "layout", layouts[0], layouts)
         dtype_name = _choice(
             options, "dtype", str(self.encoder.dtype).removeprefix("torch."), tuple(DTYPES)
         )
@@ -210,7 +217,7 @@ class EncoderService:
         for a header over the pixel limit (refused when the part is read, and never a size
         the buffer cache is raised to)."""
         source = part.source
-        if part.modality != "image" or not isinstance(source, Reference):
+        if part.modality != "image" or not isinstance(source, Reference) or self._cfg is None:
             return None
         if source.scheme == "remote":
             head = fetched.get(source.value)
@@ -223,7 +230,7 @@ class EncoderService:
             return None
         if head is None:
             return None
-        cfg = self.processor.config
+        cfg = self._cfg
         limit = min(self.config.limits.max_pixels, cfg.max_decoded_pixels)
         return source_bytes(head, cfg, layout, max_pixels=limit)
 
@@ -244,7 +251,7 @@ class EncoderService:
                 # decoded (chat/media.py), so one frame's bytes and pixels are held at a time.
                 def read_frame(k: int, source: Any) -> Any:
                     one = read_part(dataclasses.replace(part, source=source), self._policy, fetched)
-                    check_frame(part, k, one.source, limits, self.processor.config)
+                    check_frame(part, k, one.source, limits, self._cfg)
                     return one.source
 
                 t1 = time.perf_counter()
@@ -254,10 +261,13 @@ class EncoderService:
                 )
             else:
                 part = read_part(part, self._policy, fetched)
-                check_media(part, limits, self.processor.config)
+                check_media(part, limits, self._cfg)
                 t1 = time.perf_counter()
                 self.metrics.stage_seconds.labels("fetch").observe(fetched_s + t1 - t0)
-                item = build_item(self.processor, part, layout, {}, threads=threads)
+                if self.generic:
+                    item = self.processor.image(part.source, layout, threads=threads)
+                else:
+                    item = build_item(self.processor, part, layout, {}, threads=threads)
         except PartError as e:
             raise refused(e) from None
         except ValueError as e:  # a decoder's refusal outside the part's own checks
@@ -273,9 +283,12 @@ class EncoderService:
         parts, options = parse_request(body, self._policy)
         layout, dtype, response = self._options(options, local)
         for part in parts:
+            if self.generic:
+                check_generic(part, self.processor)
+                continue
             # NOTE: before any source is fetched or read: a list of frames is counted from its
             # length (500 references under --limit-frames 10 read nothing).
-            check_frame_count(part, self.config.limits, self.processor.config)
+            check_frame_count(part, self.config.limits, self._cfg)
         request = next(self._requests)
         tasks = [asyncio.ensure_future(self._prepare(part, layout, request)) for part in parts]
         try:

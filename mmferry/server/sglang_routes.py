@@ -162,6 +162,13 @@ class SglangRoutes:
     async def rows(self, req: EncodeRequest) -> tuple[list[bytes | memoryview], int]:
         """The part's two frames and the rows' byte size, through the service's own path."""
         service = self.service
+        if service.generic:
+            raise RequestError(
+                422,
+                "unsupported",
+                "SGLang's encoder routes carry native families only; this service reads its "
+                f"checkpoint ({service.processor.facts.model_type}) through the generic family",
+            )
         parts = [content_part(req.part.modality, it, k) for k, it in enumerate(req.items)]
         items, dtype, _ = await service.prepare({"content": parts}, local=False)
         outs = await service.batcher.encode(items)

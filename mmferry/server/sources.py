@@ -197,14 +197,33 @@ def check_frame(part: MediaPart, k: int, data: bytes, limits: Limits, cfg: Proce
         _check_keyed_video(name, n, h, w, cfg)
 
 
-def check_media(part: MediaPart, limits: Limits, cfg: ProcessorConfig) -> None:
+def check_generic(part: MediaPart, processor: Any) -> None:
+    """422 for what the generic family cannot carry: videos, and per-item size or frame keys
+    (transformers' processor sizes every image by the checkpoint's own settings)."""
+    if part.modality != "image":
+        raise RequestError(422, "unsupported", f"{part.where}: {processor.no_video}")
+    if part.options:
+        keys = ", ".join(sorted(part.options))
+        raise RequestError(
+            422,
+            "unsupported",
+            f"{part.where}: per-item keys ({keys}) are not applied to a checkpoint served "
+            f"through the generic family ({processor.facts.model_type}): its own processor "
+            "sizes every image; send the image without them",
+        )
+
+
+def check_media(part: MediaPart, limits: Limits, cfg: ProcessorConfig | None) -> None:
     """Pixel and frame limits from the headers, before any decoding (422); 422 if unreadable.
     Frames are counted as the part samples them: by its own keys (fps, nframes, ...) if any.
-    The size a part's qwen-vl-utils keys give is held to the server's resize budgets."""
-    name, temporal, keys, factor = part.where, cfg.temporal_patch_size, part.options, cfg.factor
+    The size a part's qwen-vl-utils keys give is held to the server's resize budgets. `cfg`
+    None: the generic family, images without keys (`check_generic`)."""
+    name, keys = part.where, part.options
     if part.modality == "image":
         h, w = _check_image(part.source, name, limits)
         if keys:
+            assert cfg is not None, "check_generic refuses keys first"
+            factor = cfg.factor
             h, w = _keyed(name, qwen_keys.image_size, h, w, keys, factor)
             _check_keyed_image(name, h, w, cfg)
         return
@@ -216,6 +235,8 @@ def check_media(part: MediaPart, limits: Limits, cfg: ProcessorConfig) -> None:
     from mmferry.preprocess.video import sample_indices
     from mmferry.preprocess.video_decode import probe_video
 
+    assert cfg is not None, "check_generic refuses videos first"
+    temporal, factor = cfg.temporal_patch_size, cfg.factor
     try:
         info = probe_video(part.source, name)
         # NOTE: the bound is on what is decoded and held: the frames the processor samples

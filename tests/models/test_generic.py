@@ -9,6 +9,7 @@ batch. mmferry's rows come per image from `Processor.from_pretrained` and
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -167,6 +168,8 @@ def test_generic_matches_native_on_qwen2_5_vl(tmp_path):
     enc = mf.VisionEncoder.from_pretrained(folder, family="generic")
     assert isinstance(proc, GenericProcessor) and isinstance(enc, GenericVisionEncoder)
     assert not isinstance(native_proc, GenericProcessor)
+    # "auto" (the commands' --family default) keeps the native spec.
+    assert not isinstance(mf.Processor.from_pretrained(folder, family="auto"), GenericProcessor)
     images = [tiny_vlm.image(56, 84, 0), tiny_vlm.image(112, 56, 1)]
     native = native_enc(native_proc.images(images))
     items = proc.images(images)
@@ -185,3 +188,21 @@ def test_generic_matches_native_on_qwen2_5_vl(tmp_path):
         proc.expand_prompt(ids, items).input_ids
         == native_proc.expand_prompt(ids, native_proc.images(images)).input_ids
     )
+
+
+def test_a_checkpoint_neither_family_serves_is_a_clear_error(tmp_path):
+    """A model_type transformers does not know, and a text-only checkpoint of a known one."""
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "no-such-vlm"}))
+    for load in (mf.Processor.from_pretrained, mf.VisionEncoder.from_pretrained):
+        with pytest.raises(ValueError, match="neither the native nor the generic family"):
+            load(unknown)
+    text = save_family_checkpoint("gemma3", tmp_path / "text")
+    config = json.loads((text / "config.json").read_text())
+    (text / "config.json").write_text(
+        json.dumps({**config["text_config"], "model_type": "gemma3_text"})
+    )
+    for load in (mf.Processor.from_pretrained, mf.VisionEncoder.from_pretrained):
+        with pytest.raises(ValueError, match="gemma3_text.*the generic family cannot serve it"):
+            load(text)

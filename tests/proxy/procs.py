@@ -51,6 +51,8 @@ class VllmServer:
     extra: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    # None: the checkpoint's own chat template (which writes the model's image placeholder).
+    template: str | None = TEMPLATE
 
     @property
     def url(self) -> str:
@@ -61,14 +63,15 @@ class VllmServer:
         return self.work / "vllm.log"
 
     def start(self) -> VllmServer:
-        template = self.work / "template.jinja"
-        template.write_text(TEMPLATE)
         cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
         cmd += ["--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)]
         cmd += ["--enable-mm-embeds", "--dtype", "float32", "--enforce-eager", "--seed", "0"]
         cmd += ["--max-model-len", "2048", "--max-num-seqs", "16"]
         cmd += ["--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1})]
-        cmd += ["--chat-template", str(template)]
+        if self.template is not None:
+            template = self.work / "template.jinja"
+            template.write_text(self.template)
+            cmd += ["--chat-template", str(template)]
         if self.connector is not None:
             config = {
                 "ec_connector": "MmferryECConnector",
