@@ -19,8 +19,14 @@ import numpy as np
 from PIL import Image
 
 from tests.engines.service import free_port
-from tests.engines.sglang_harness import SGLANG_PYTHON, START_TIMEOUT_S, sglang_env
-from tests.engines.tiny_vlm import NUM_FRAMES, VIDEO_FPS
+from tests.engines.sglang_harness import (
+    SGLANG_PYTHON,
+    START_TIMEOUT_S,
+    ShmLeftovers,
+    sglang_env,
+    shm_names,
+)
+from tests.engines.tiny_vlm import VIDEO_FPS
 from tests.store import cluster
 
 BACKENDS = ("zmq_to_tokenizer", "zmq_to_scheduler")
@@ -52,17 +58,20 @@ def ffmpeg_env(folder: Path) -> dict[str, str]:
 
 @dataclass
 class SglangServer:
-    """One `sglang.launch_server` process group, its log in a file."""
+    """One `sglang.launch_server` process group, its log in a file; `stop` removes what the
+    group made in /dev/shm (its load-report file and semaphores: killed, it unlinks none)."""
 
     proc: subprocess.Popen
     url: str
     log: Path
+    shm: ShmLeftovers
 
     @classmethod
     def start(cls, model: Path, log: Path, *flags: str, port: int | None = None) -> SglangServer:
         port = port or free_port()
         cmd = [str(SGLANG_PYTHON), "-m", "sglang.launch_server", "--model-path", str(model)]
         cmd += ["--host", "127.0.0.1", "--port", str(port), *CPU_FLAGS, *flags]
+        before = shm_names()
         with open(log, "w") as out:
             proc = subprocess.Popen(
                 cmd,
@@ -71,12 +80,13 @@ class SglangServer:
                 env=sglang_env(**ffmpeg_env(log.parent / "ffmpeg")),
                 start_new_session=True,  # its scheduler and detokenizer end with it
             )
-        server = cls(proc, f"http://127.0.0.1:{port}", log)
+        server = cls(proc, f"http://127.0.0.1:{port}", log, ShmLeftovers(proc.pid, before))
         try:
             server.wait_healthy()
         except BaseException:
             server.stop()
             raise
+        server.shm.note()
         return server
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
@@ -96,9 +106,15 @@ class SglangServer:
         return self.log.read_text(errors="replace")[-n:]
 
     def stop(self) -> None:
+        self.shm.note()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, 9)
         self.proc.wait()
+        self.shm.remove()
+
+    def left(self) -> set[str]:
+        """What the group made in /dev/shm that is still there (nothing once stopped)."""
+        return self.shm.made & shm_names()
 
 
 @dataclass
@@ -115,7 +131,7 @@ class LanguageServer(SglangServer):
         flags = ["--language-only", "--encoder-transfer-backend", backend]
         flags += ["--encoder-bootstrap-port", str(boot), "--encoder-urls", *encoders]
         server = cls.start(model, log, *flags)
-        lang = cls(server.proc, server.url, server.log)
+        lang = cls(server.proc, server.url, server.log, server.shm)
         lang.bootstrap, lang.encoders = f"http://127.0.0.1:{boot}", list(encoders)
         return lang
 
@@ -154,6 +170,13 @@ def answer(r: httpx.Response) -> tuple[list[int], list[list[tuple[int, float]]]]
     return tokens, top
 
 
+def metric(url: str, name: str, labels: str = "") -> float:
+    """The sum of a counter's samples (those whose labels hold `labels`) on `url`/metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    pat = re.compile(rf"^{name}(_total)?(\{{[^}}]*{labels}[^}}]*\}})? (\S+)$", re.M)
+    return sum(float(m.group(3)) for m in pat.finditer(text))
+
+
 def start_encoders(
     model: Path, store: str, media: Path, n: int = 2, ports: list[int] | None = None
 ) -> list[cluster.Service]:
@@ -183,7 +206,7 @@ def write_video(path: Path, frames: np.ndarray) -> str:
     same RGB pixels."""
     import av
 
-    assert len(frames) == NUM_FRAMES
+    assert len(frames) % 2 == 0, "whole temporal patches"
     with av.open(str(path), "w") as out:
         stream = out.add_stream("png", rate=int(VIDEO_FPS))
         stream.height, stream.width = frames.shape[1:3]
