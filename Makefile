@@ -6,7 +6,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench format vllm-venv mooncake-venv sglang-venv vllm-next
+.PHONY: demo test lint bench format vllm-venv mooncake-venv sglang-venv vllm-next bench-venv
 
 # vLLM's own environment for the engine tests (tests/engines): the CPU build of vLLM, whose
 # pinned CPU torch comes without torchvision, so torch and torchvision are put back as a pair.
@@ -81,6 +81,23 @@ $(VLLM_NEXT_STAMP): | $(STAMP)
 	echo $(VLLM_NEXT_VERSION) > $@
 
 vllm-next: $(VLLM_NEXT_STAMP)
+
+# A second environment for the benchmarks, outside `make test`: torch 2.14.1 (the registry's
+# CUDA build, which runs on the CPU too) with torchvision 0.29.1 and transformers, so that the
+# baselines run transformers' default, torchvision-backed processor, and mmferry's figures are
+# taken under a second torch build: `.bench-venv/bin/python -m mmferry.bench.load` from the
+# checkout (bench/preprocess.py uses the same folder as its baseline environment).
+BENCH_VENV ?= .bench-venv
+BENCH_STAMP := $(BENCH_VENV)/.installed
+
+$(BENCH_STAMP):
+	python3 -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1 transformers==5.24.0
+	$(BENCH_VENV)/bin/python -m pip install -q '.[server]'
+	touch $@
+
+bench-venv: $(BENCH_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m mmferry demo

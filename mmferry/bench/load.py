@@ -72,6 +72,13 @@ ROWS_TOLERANCE = 1e-4
 # Pillow's uint8 bicubic against torch's, on the workloads' resized images: 1 level in 0.2-0.5 %
 # of the values, 2 levels in a few.
 PIL_LEVELS, PIL_SHARE = 2, 0.01
+# Where they differ in more values than that (near-unity scales: a 199x353 JPEG resized to
+# 192x352 differs in 19.4 % of its values, by at most 2 levels), mmferry's resized pixels are
+# held to the exact resample instead: the same antialiased bicubic in float64, a pass per axis
+# (width first, clipped to 0-255 between, as both uint8 kernels do). Two uint8 passes lie at
+# most about 0.5 * sum|weights| + 0.5 levels from it; measured: mmferry 1.11 at most over the
+# three workloads, Pillow 2.09 (so Pillow is not held to it).
+EXACT_LEVELS = 1.25
 
 
 def images(count: int | None = None, first_seed: int = 0) -> list[bytes]:
@@ -424,8 +431,9 @@ def baseline_image(data: bytes) -> Image.Image:
 
 def pixels_agree(datas: list[bytes], processor: Any) -> list[bool]:
     """Per image, whether mmferry's `hf` pixels equal `processor`'s; raises where they differ
-    by more than Pillow's resize rounding (PIL_LEVELS levels in PIL_SHARE of the values, and
-    only with the Pillow processor) or in their grid."""
+    by more than Pillow's resize rounding (only with the Pillow processor: PIL_LEVELS levels,
+    in at most PIL_SHARE of the values unless mmferry's resized pixels lie within EXACT_LEVELS
+    of the exact resample) or in their grid."""
     import mmferry as mf
 
     proc = mf.Processor.for_model("qwen3-vl")
@@ -441,13 +449,35 @@ def pixels_agree(datas: list[bytes], processor: Any) -> list[bool]:
         same = diff.max().item() <= 1e-6
         if not same:
             levels, share = diff.max().item() / level, (diff > 1e-6).float().mean().item()
-            if not pillow or levels > PIL_LEVELS + 0.01 or share > PIL_SHARE:
+            rounding = pillow and levels <= PIL_LEVELS + 0.01
+            if rounding and share > PIL_SHARE:
+                rounding = exact_distance(data, proc) <= EXACT_LEVELS
+            if not rounding:
                 raise AssertionError(
                     f"image {j}: pixels differ from {type(processor).__name__}'s by up to "
                     f"{levels:.2f} uint8 levels in {share:.2%} of the values"
                 )
         out.append(same)
     return out
+
+
+def exact_distance(data: bytes, proc: Any) -> float:
+    """Largest distance, in uint8 levels, of mmferry's resized pixels (its compact-u8 rows) from
+    the exact resample of the decoded image: the same antialiased bicubic in float64, width then
+    height, clipped between, laid out as transformers lays out patch rows."""
+    import torch.nn.functional as F
+
+    item = proc.image(data, "compact-u8")
+    _, gh, gw = item.grid_thw
+    p, m = proc.config.patch_size, item.merge_size
+    src = torch.from_numpy(np.array(baseline_image(data))).permute(2, 0, 1)[None].double()
+    x = F.interpolate(src, size=(src.shape[2], gw * p), mode="bicubic", antialias=True)
+    x = F.interpolate(x.clamp(0, 255), size=(gh * p, gw * p), mode="bicubic", antialias=True)
+    c = x.shape[1]
+    # [C, H, W] -> merge blocks row-major, the m x m patches inside, each patch [C][P][P].
+    rows = x.clamp(0, 255)[0].reshape(c, gh // m, m, p, gw // m, m, p)
+    rows = rows.permute(1, 4, 2, 5, 0, 3, 6).reshape(-1, c * p * p)
+    return (item.feature.double() - rows).abs().max().item()
 
 
 def serve_baseline(depth: int | None) -> int:

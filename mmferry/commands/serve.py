@@ -119,6 +119,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "else this machine's cores)",
     )
     p.add_argument(
+        "--encoder-workers",
+        type=positive_int,
+        metavar="N",
+        help="encoder calls at once, the intra-op threads split among them (default: one per "
+        "thread on a CPU tower, one on a GPU)",
+    )
+    p.add_argument(
         "--fetch-concurrency",
         type=int,
         default=d.fetch_concurrency,
@@ -215,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
             max_uploads=args.max_uploads,
             fetch_concurrency=args.fetch_concurrency,
             preprocess_threads=args.preprocess_threads,
+            encoder_workers=args.encoder_workers,
             store=args.store,
             model=args.model or f"random-{args.random}",
         )

@@ -2,8 +2,10 @@
 
 Requests hand their items over and await them. A cache hit is answered at once; an item whose
 hash is already queued or being encoded joins that item's future (encoded once); the rest
-queue. One worker thread runs the encoder: while it is busy, new items pile up, and the next
-call takes as many as the patch budget allows (no fixed wait, so a lone request is not held).
+queue. `workers` encoder threads (one per core on a CPU tower, one on an accelerator) each run
+one call at a time: while they are busy, new items pile up, and a worker that frees up takes
+its share of the queue (the queue over the workers) up to the patch budget (no fixed wait, so
+a lone request is not held).
 A `store` in front (`serve --store`: `mmferry.store.shared`) is asked for the items neither
 cached nor in flight before they queue, and given what was encoded once it is answered.
 """
@@ -52,6 +54,18 @@ def _owned(out: VisionOutput) -> VisionOutput:
     return VisionOutput(out.embeds.clone(), tuple(d.clone() for d in out.deepstack))
 
 
+def pin_threads(n: int) -> None:
+    """This thread's torch intra-op count fixed at `n` for its life.
+
+    NOTE: torch copies the process-wide count (the one any thread set last) into a thread at
+    the thread's first parallel op, its lazy init, whatever the thread set before: a
+    preprocessing job that set 1 around its ops between an encoder thread's start and its first
+    op left that encoder on one core for the service's life (one `mmferry serve` run in two, by
+    timing). Asking for the count runs that init now; the count set after it stays."""
+    torch.get_num_threads()
+    torch.set_num_threads(n)
+
+
 class Batcher:
     """Deduplicating, batching front of one encoder; runs inside the server's event loop."""
 
@@ -64,7 +78,14 @@ class Batcher:
         max_batch_patches: int,
         batch_wait_s: float = 0.0,
         store: Store | None = None,
+        workers: int = 1,
+        threads: int | None = None,
     ) -> None:
+        """`workers` encoder calls run at once, each on `threads` intra-op threads (default:
+        the count of the thread building the batcher: torch's default, or what its caller
+        set)."""
+        if threads is None:
+            threads = torch.get_num_threads()
         self._encode = encode
         self.cache = cache
         self.metrics = metrics
@@ -75,27 +96,28 @@ class Batcher:
         self._pending: deque[_Job] = deque()
         self._inflight: dict[str, asyncio.Future[VisionOutput]] = {}
         self._wake = asyncio.Event()
-        # NOTE: torch's intra-op thread count is per thread, and a new thread starts at the
-        # count any thread set last (preprocessing sets 1 around its ops and puts its own
-        # back), so the encoder thread ran on one core or on all of them by the timing of the
-        # first request: one run in about ten was 1.5x faster. It takes the count of the thread
-        # that builds the service (torch's default, or what the caller set).
+        if workers < 1 or threads < 1:
+            raise ValueError(f"workers and threads must be at least 1, got {workers}, {threads}")
+        self.workers, self.threads = workers, threads
+        self._idle = workers
         self._executor = ThreadPoolExecutor(
-            1,
+            workers,
             thread_name_prefix="mmferry-encoder",
-            initializer=torch.set_num_threads,
-            initargs=(torch.get_num_threads(),),
+            initializer=pin_threads,
+            initargs=(threads,),
         )
         self._task: asyncio.Task[None] | None = None
+        self._calls: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in [self._task, *self._calls]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self._executor.shutdown(wait=True)
 
     @property
@@ -140,10 +162,11 @@ class Batcher:
         # shared future other requests joined.
         return list(await asyncio.gather(*(asyncio.shield(f) for f in futures)))
 
-    def _take(self) -> list[_Job]:
+    def _take(self, most: int) -> list[_Job]:
+        """The next batch: queued items in order, up to the patch budget and `most` items."""
         batch = [self._pending.popleft()]
         patches = batch[0].item.num_patches
-        while self._pending and self.max_batch_patches > 0:
+        while self._pending and self.max_batch_patches > 0 and len(batch) < most:
             n = self._pending[0].item.num_patches
             if patches + n > self.max_batch_patches:
                 break
@@ -155,33 +178,54 @@ class Batcher:
         return [_owned(o) for o in self._encode(items)]
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._pending:
+            # NOTE: the queue is shared among all the workers, busy ones too: a worker that
+            # took everything would leave the others idle when they free up (on a CPU host
+            # each worker is a core), and a share left queued goes to the next one free.
+            share = -(-len(self._pending) // self.workers)
+            while self._pending and self._idle:
                 if self.batch_wait_s > 0:
                     await asyncio.sleep(self.batch_wait_s)
-                batch = self._take()
-                self.metrics.queue_depth.set(len(self._pending))
-                now = time.perf_counter()
-                for job in batch:
-                    self.metrics.stage_seconds.labels("queue").observe(now - job.queued_at)
-                self.metrics.batch_items.observe(len(batch))
-                self.metrics.batch_patches.observe(sum(j.item.num_patches for j in batch))
-                items = [j.item for j in batch]
-                try:
-                    with self.metrics.stage("encode"):
-                        outs = await loop.run_in_executor(self._executor, self._encode_owned, items)
-                except Exception as e:  # noqa: BLE001 - handed to every waiting request
-                    for job in batch:
-                        self._inflight.pop(job.item.hash, None)
-                        if not job.future.done():
-                            job.future.set_exception(e)
-                    continue
-                self.metrics.encoded_items.inc(len(batch))
-                for job, out in zip(batch, outs):
-                    self.cache.put(job.item.hash, out)
-                    self._inflight.pop(job.item.hash, None)
-                    if not job.future.done():
-                        job.future.set_result(out)
+                    if not self._pending:
+                        break
+                    share = -(-len(self._pending) // self.workers)
+                batch = self._take(share)
+                self._idle -= 1
+                call = asyncio.ensure_future(self._call(batch))
+                self._calls.add(call)
+                call.add_done_callback(self._calls.discard)
+
+    async def _call(self, batch: list[_Job]) -> None:
+        """One encoder call on a worker; its items answered, then the worker is idle again."""
+        try:
+            await self._answer(batch)
+        finally:
+            self._idle += 1
+            self._wake.set()
+
+    async def _answer(self, batch: list[_Job]) -> None:
+        loop = asyncio.get_running_loop()
+        self.metrics.queue_depth.set(len(self._pending))
+        now = time.perf_counter()
+        for job in batch:
+            self.metrics.stage_seconds.labels("queue").observe(now - job.queued_at)
+        self.metrics.batch_items.observe(len(batch))
+        self.metrics.batch_patches.observe(sum(j.item.num_patches for j in batch))
+        items = [j.item for j in batch]
+        try:
+            with self.metrics.stage("encode"):
+                outs = await loop.run_in_executor(self._executor, self._encode_owned, items)
+        except Exception as e:  # noqa: BLE001 - handed to every waiting request
+            for job in batch:
+                self._inflight.pop(job.item.hash, None)
+                if not job.future.done():
+                    job.future.set_exception(e)
+            return
+        self.metrics.encoded_items.inc(len(batch))
+        for job, out in zip(batch, outs):
+            self.cache.put(job.item.hash, out)
+            self._inflight.pop(job.item.hash, None)
+            if not job.future.done():
+                job.future.set_result(out)

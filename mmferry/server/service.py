@@ -70,6 +70,9 @@ class ServiceConfig:
     # Parts preprocessed at once, across requests (None: this machine's cores, as the batch API).
     preprocess_threads: int | None = None
     fetch_concurrency: int = 8  # remote fetches at once, beside the preprocessing threads
+    # Encoder calls at once, the intra-op threads split among them (None: one per intra-op
+    # thread on a CPU tower, one call on an accelerator; see `encoder_workers`).
+    encoder_workers: int | None = None
     api_key: str | None = None
     drain_timeout_s: float = 30.0  # SIGTERM to exit, however many requests are still open
     body_timeout_s: float = 30.0  # a request body must arrive in full within this (408)
@@ -84,6 +87,8 @@ class ServiceConfig:
         if self.preprocess_threads is None:
             # NOTE: frozen: the resolved default is written once, here.
             object.__setattr__(self, "preprocess_threads", batch_threads(None))
+        if self.encoder_workers is not None and self.encoder_workers < 1:
+            raise ValueError("encoder_workers must be at least 1")
         for name in ("max_queue", "max_uploads", "preprocess_threads", "fetch_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
@@ -130,7 +135,11 @@ class EncoderService:
         self.cache = EncoderCache(config.cache_bytes)
         self.metrics.cache_bytes.set_function(lambda: self.cache.used_bytes)
         self.store = _shared_store(config, encoder, self.metrics)
-        # `encode` replaces a plain encoder call (the sharded leader under torchrun).
+        # `encode` replaces a plain encoder call (the sharded leader under torchrun: one call at
+        # a time, its ranks in step).
+        workers, threads = encoder_workers(
+            config.encoder_workers, encoder.device if encode is None else None
+        )
         self.batcher = Batcher(
             encode or encoder,
             self.cache,
@@ -138,6 +147,8 @@ class EncoderService:
             max_batch_patches=config.max_batch_patches,
             batch_wait_s=config.batch_wait_s,
             store=self.store,
+            workers=workers,
+            threads=threads,
         )
         # Requests first come, first served; a request's items largest first (item_pool.py).
         self._pool = ItemPool(config.preprocess_threads)
@@ -336,6 +347,22 @@ class EncoderService:
             doc["deepstack"] = [self.share(t) for t in it.deepstack]
             docs.append(doc)
         return {"items": docs}
+
+
+def encoder_workers(asked: int | None, device: torch.device | None) -> tuple[int, int]:
+    """(encoder calls at once, intra-op threads of each): this thread's intra-op count (torch's
+    default: the cores) split among the calls.
+
+    NOTE: on a CPU tower the default is one call per thread, each on one thread. One call on
+    every thread splits each matmul across the cores and waits for the slowest part, so a core
+    the event loop or preprocessing holds for a moment stalls the whole call while the other
+    threads spin at the barrier; calls on one thread each never wait for one another. An
+    accelerator (or `device` None: the caller's own encode function) runs one call at a
+    time."""
+    total = torch.get_num_threads()
+    if asked is None:
+        asked = total if device is not None and device.type == "cpu" else 1
+    return asked, max(1, total // asked)
 
 
 def _shared_store(config: ServiceConfig, encoder: VisionEncoder, metrics: Metrics) -> Any:
