@@ -16,6 +16,19 @@ from mmferry.server.metrics import Metrics
 from mmferry.server.service import encoder_workers
 
 
+def _encode_once(batcher: Batcher, item) -> None:
+    """`item` through a started batcher, then the batcher stopped."""
+
+    async def run() -> None:
+        batcher.start()
+        try:
+            await batcher.encode([item])
+        finally:
+            await batcher.stop()
+
+    asyncio.run(run())
+
+
 def test_the_encoder_thread_keeps_the_builders_thread_count():
     """A new thread starts at the count any thread set last; preprocessing sets 1 around its
     ops. The encoder thread must not inherit that: it runs on the count of the thread that
@@ -38,14 +51,7 @@ def test_the_encoder_thread_keeps_the_builders_thread_count():
         poison.start()
         poison.join()
 
-        async def run() -> None:
-            batcher.start()
-            try:
-                await batcher.encode([item])
-            finally:
-                await batcher.stop()
-
-        asyncio.run(run())
+        _encode_once(batcher, item)
     finally:
         torch.set_num_threads(before)
     assert seen == [3]
@@ -74,14 +80,7 @@ def test_the_encoder_thread_keeps_its_count_when_another_thread_sets_one_before_
     try:
         batcher = Batcher(encode, EncoderCache(0), Metrics(), max_batch_patches=0)
 
-        async def run() -> None:
-            batcher.start()
-            try:
-                await batcher.encode([item])
-            finally:
-                await batcher.stop()
-
-        asyncio.run(run())
+        _encode_once(batcher, item)
     finally:
         torch.set_num_threads(before)
     assert seen == [3]
