@@ -245,7 +245,10 @@ class MmferryECConnector(ECConnectorBase):
             return
         items = [split_identifier(i) for i in identifiers]
         if self._store_presence is not None:
+            # As `has_cache_item`: an item the store holds is not asked of (nor pinned by) a
+            # service.
             self._store_presence.ask([item for item, _ in items])
+            items = [(item, key) for item, key in items if not self._store_presence.has(item)]
         by_url: dict[str, list[str]] = {}
         for item, key in items:
             by_url.setdefault(self._router.choices(key)[0], []).append(item)
