@@ -5,7 +5,7 @@
 # Record what it prints in BENCHMARKS.md ("GPU").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log="${OUT:-.}/gpu_checks.log"
 {
     nvidia-smi -L

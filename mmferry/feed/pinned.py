@@ -15,6 +15,7 @@ when the copy completes, not at the next call, and survive the staging object it
 
 from __future__ import annotations
 
+import atexit
 import functools
 import queue
 import threading
@@ -80,6 +81,7 @@ class PinnedStaging:
             self._retirer = threading.Thread(
                 target=_retire, args=(self._retiring,), name="mmferry-staging-retire", daemon=True
             )
+            _RETIRERS[self._retirer] = self._retiring
             self._retirer.start()
             weakref.finalize(self, self._retiring.put, None)  # the thread drains, then exits
         self._retiring.put((event, keep))
@@ -171,11 +173,26 @@ class PinnedStaging:
             dst[r : r + k].copy_(dev)  # the cast kernel
 
 
+# Running retirers and their queues, stopped before the interpreter finalizes.
+_RETIRERS: dict[threading.Thread, queue.Queue] = {}
+
+
+@atexit.register
+def _stop_retirers() -> None:
+    # NOTE: a retirer still alive while the interpreter finalizes ends inside torch's thread
+    # teardown and aborts the process ("terminate called without an active exception", seen on
+    # CUDA); each one finishes its copies and exits first.
+    for thread, pending in list(_RETIRERS.items()):
+        pending.put(None)
+        thread.join(timeout=60)
+
+
 def _retire(pending: queue.Queue) -> None:
     while True:
         item = pending.get()
         if item is None:
             pending.task_done()
+            _RETIRERS.pop(threading.current_thread(), None)
             return
         event, keep = item
         # Off the caller's thread (the GIL is released while it waits): sources are dropped,

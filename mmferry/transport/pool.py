@@ -28,7 +28,13 @@ from mmferry.transport.leases import LeaseTable, check_shape, table_bytes
 from mmferry.transport.segment import Segment, check_name
 from mmferry.transport.shm import ShmArena, ShmHandle, open_shared
 from mmferry.transport.slots import SlotBook
-from mmferry.transport.store import DeviceStore, open_store
+from mmferry.transport.store import (
+    DeviceStore,
+    keep_local,
+    keep_local_event,
+    open_store,
+    ready_event,
+)
 
 
 class Backing(Protocol):
@@ -66,6 +72,7 @@ class CudaBacking:
         self.capacity = capacity
         self._store = torch.empty(capacity, dtype=torch.uint8, device=device)
         self._export = ("cuda", *reduce_tensor(self._store))
+        keep_local(self._export, self._store)
 
     def store(self) -> torch.Tensor:
         return self._store
@@ -180,6 +187,7 @@ class FeaturePool:
                 event = torch.cuda.Event(interprocess=True)
                 event.record(stream)
             ready.append(event.ipc_handle())
+            keep_local_event(ready[-1], event)
             return event
 
         grant = self._book.put(nbytes, readers, fill) if nbytes else None
@@ -326,7 +334,7 @@ def open_feature(handle: PoolHandle | ShmHandle) -> torch.Tensor:
                 data = store.range(handle.offset, handle.nbytes)
                 ready = None
                 if handle.ready is not None:
-                    ready = torch.cuda.Event.from_ipc_handle(data.device, handle.ready)
+                    ready = ready_event(data.device, handle.ready)
                     # Device-side ordering after the producer's copy: no host wait.
                     torch.cuda.current_stream(data.device).wait_event(ready)
                 if data.is_cuda and handle.readers > 1:

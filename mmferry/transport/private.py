@@ -36,6 +36,18 @@ _MAP_NORESERVE = 0x4000
 _HOST_REGISTER_READ_ONLY = 8
 
 
+def clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a call that failed on purpose or was handled.
+
+    A failed runtime call (a refused cudaHostRegister, say) stays as the thread's last error,
+    and torch raises it from the next unrelated kernel launch it checks.
+    """
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+    for path in sorted(paths):
+        ctypes.CDLL(path).cudaGetLastError()
+
+
 def _unmap(addr: int, length: int, pinned: list[int]) -> None:
     # NOTE: the registration ends while its pages are still mapped.
     if pinned:
@@ -91,6 +103,7 @@ class PrivatePages:
 
         err = torch.cuda.cudart().cudaHostRegister(self.addr, self.length, _HOST_REGISTER_READ_ONLY)
         if int(err) != 0:
+            clear_cuda_error()
             raise RuntimeError(f"cudaHostRegister failed for a shared-memory view: error {err}")
         self._pinned.append(self.addr)
 

@@ -15,6 +15,8 @@ from mmferry.transport.segment import check_name, open_segment
 _LOCK = threading.Lock()
 # NOTE: weak, so a CUDA store stays imported only while a view or an open lease holds it.
 _DEVICE: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakValueDictionary()
+# The producer's own copy events by IPC handle, alive while its book keeps their slots.
+_EVENTS: weakref.WeakValueDictionary[bytes, torch.cuda.Event] = weakref.WeakValueDictionary()
 
 
 class HostStore:
@@ -40,6 +42,29 @@ class DeviceStore:
     def range(self, offset: int, nbytes: int) -> torch.Tensor:
         """The bytes of one lease: a slice of the store, shared with its other readers."""
         return self.flat[offset : offset + nbytes]
+
+
+def keep_local(store: tuple, flat: torch.Tensor) -> None:
+    """Serve the CUDA store `store` from `flat` in the process that exported it.
+
+    CUDA IPC cannot open a handle in the process that made it (the driver answers "invalid
+    device context"), so a reader in the producer's own process takes the store itself.
+    """
+    with _LOCK:
+        _DEVICE[store] = flat
+
+
+def keep_local_event(ipc: bytes, event: torch.cuda.Event) -> None:
+    """Let readers in this process wait on `event` itself: its IPC handle opens elsewhere only."""
+    with _LOCK:
+        _EVENTS[ipc] = event
+
+
+def ready_event(device: torch.device, ipc: bytes) -> torch.cuda.Event:
+    """The producer's copy event: its own object in the producer's process, else imported."""
+    with _LOCK:
+        event = _EVENTS.get(ipc)
+    return event if event is not None else torch.cuda.Event.from_ipc_handle(device, ipc)
 
 
 def open_store(store: tuple) -> HostStore | DeviceStore:

@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmferry.feed.materialize import materialize_features
+from mmferry.transport.private import clear_cuda_error
 from mmferry.transport.shm import ShmArena, open_shared
 
 CUDA = torch.cuda.is_available()
@@ -289,6 +290,14 @@ def test_cuda_host_waits_are_counted_only_when_a_call_outgrows_the_ring():
     assert torch.equal(out.cpu(), big[0].to(torch.bfloat16))
 
 
+def _private_mappings(segment: str) -> list[str]:
+    with open("/proc/self/maps") as f:
+        lines = [line.split() for line in f]
+    return [
+        " ".join(p) for p in lines if len(p) > 5 and p[5] == "/dev/shm" + segment and p[1][3] == "p"
+    ]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_registration_ends_with_the_mapping():
     with ShmArena(8 << 20) as arena:
@@ -297,9 +306,12 @@ def test_cuda_registration_ends_with_the_mapping():
         view = open_shared(h, pin=True)
         assert view.is_pinned()
         ptr = view.data_ptr()
+        assert _private_mappings(h.segment)  # the view's own copy-on-write mapping
         del view
         gc.collect()
-        with open("/proc/self/maps") as f:
-            assert not any(("/dev/shm" + h.segment) in line for line in f)
+        # NOTE: the producer's and the attachment's shared mappings of the segment stay; the
+        # view's private one must be gone.
+        assert not _private_mappings(h.segment)
         # Unregistering again must fail: a registration left behind would still succeed here.
         assert int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0
+        clear_cuda_error()  # else torch raises the refusal from a later test's first launch

@@ -263,6 +263,7 @@ def _cuda_reader_child(handle, conn) -> None:
     from mmferry.transport.pool import settle_acks
 
     view = open_feature(handle)
+    view.double().sum().cpu()  # NOTE: loads the kernels now: a lazy load waits for the device
     torch.cuda._sleep(1 << 30)  # the reads below queue behind about half a second of work
     total = view.double().sum()
     ack(handle)  # no host wait: the lease ends when the reads have completed
