@@ -39,6 +39,9 @@ class Processor:
 
     # The item layouts this processor gives, the default first.
     layouts: tuple[str, ...] = ("compact-u8", "hf")
+    # A native spec's processor: its resize rules, per-item keys, videos and store keys are
+    # mmferry's own.
+    native: bool = True
 
     @property
     def family(self) -> str:

@@ -53,10 +53,12 @@ def add_family_arg(p: argparse.ArgumentParser) -> None:
 
 def family_of(args: argparse.Namespace) -> str | None:
     """The `family=` the library loaders take for --family; UsageError without --model."""
-    family = getattr(args, "family", "auto")
-    if family != "auto" and not args.model:
+    from mmferry.models.generic import family_choice
+
+    family = family_choice(getattr(args, "family", "auto"))
+    if family is not None and not args.model:
         raise UsageError(f"--family {family} needs --model (the built-in towers are native)")
-    return None if family == "auto" else family
+    return family
 
 
 def add_resize_args(

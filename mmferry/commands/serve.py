@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
 
         args.device = init_group(args.device, env.world_size, env.local_rank)
     proc, enc = build(args)
-    if proc.family == "generic" and (args.store is not None or env.world_size > 1):
+    if not proc.native and (args.store is not None or env.world_size > 1):
         # NOTE: the store keys rows by the tower's weights as a native spec reads them, and
         # the sharded encode splits a native tower's work; neither knows transformers' model.
         what = "--store" if args.store is not None else "torchrun (several ranks)"

@@ -40,6 +40,11 @@ def _transformers():
     return transformers
 
 
+def family_choice(value: str) -> str | None:
+    """The `family=` the loaders take for a `--family` value: None for "auto"."""
+    return None if value == "auto" else value
+
+
 def uses_generic(model_dir: str | Path, family: str | None) -> bool:
     """Whether `model_dir` goes through the generic family: asked for, or no native spec
     (`family` None or "auto")."""
@@ -242,6 +247,8 @@ class GenericProcessor:
 
     # The item layouts this processor gives: its own processor's tensors only.
     layouts: tuple[str, ...] = ("hf",)
+    # Transformers' own code: no native settings, keys or videos.
+    native: bool = False
 
     @property
     def family(self) -> str:

@@ -28,7 +28,6 @@ from mmferry.chat.sources import Reference
 from mmferry.embed.cache import EncoderCache
 from mmferry.encoder.model import VisionEncoder, VisionOutput
 from mmferry.items import MultimodalItem
-from mmferry.models.generic import GENERIC
 from mmferry.preprocess.batch import batch_threads
 from mmferry.preprocess.item_pool import ItemPool
 from mmferry.preprocess.scheduler import source_bytes
@@ -129,7 +128,7 @@ class EncoderService:
         self.config = config
         # The generic family (transformers' own processor, images only) has no native
         # settings: no resize rules to size a header by, no per-item keys, no videos.
-        self.generic = processor.family == GENERIC
+        self.generic = not processor.native
         self._cfg = None if self.generic else processor.config
         self.metrics = Metrics()
         self.cache = EncoderCache(config.cache_bytes)
