@@ -51,8 +51,10 @@ def ffmpeg_env(folder: Path) -> dict[str, str]:
     for lib in libs.glob("lib*.so.*"):
         m = re.match(r"(lib(?:av|sw)[a-z]+)-[0-9a-f]+\.so\.(\d+)\.", lib.name)
         link = folder / f"{m.group(1)}.so.{m.group(2)}" if m else None
-        if link is not None and not link.exists():
-            link.symlink_to(lib)
+        if link is not None and not link.is_symlink():
+            # NOTE: a family's servers start side by side and link the same folder.
+            with contextlib.suppress(FileExistsError):
+                link.symlink_to(lib)
     return {"LD_LIBRARY_PATH": f"{folder}:{libs}"}
 
 
