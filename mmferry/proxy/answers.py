@@ -1,19 +1,20 @@
 """An encoder's answers to the proxy, checked before anything of them reaches the engine.
 
-Nothing an encoder answers is trusted: a `/v1/cache/encode` answer must be one item's facts of
-the part's modality (a non-empty printable hash, a grid of three positive ints, a token count
-the grid gives, one timestamp per temporal patch or none, `held` a bool; `pixels` a bool, and
-when true, an image whose grid may be null: the generic family's, which the engine is sent as
-pixels), and a
-`/v1/cache/load` body safetensors holding exactly that hash's rows, `[num_tokens, width]` in the
-dtype asked for, as the rewrite will hand them to the engine. The proxy does not know the
-model's width, so any width above 0 passes. Anything else raises `BadEncoderAnswer`, which the
-pool counts as that encoder failing the item (its next choice, then the engine's own pixels).
+Nothing an encoder answers is trusted: a `/v1/cache/encode` answer must be one item's facts per
+part of the call, in order, each of that part's modality (a non-empty printable hash, a grid of
+three positive ints, a token count the grid gives, one timestamp per temporal patch or none,
+`held` a bool; `pixels` a bool, and when true, an image whose grid may be null: the generic
+family's, which the engine is sent as pixels), and a `/v1/cache/load` body safetensors holding
+exactly those hashes' rows, each `[num_tokens, width]` in the dtype asked for, as the rewrite
+will hand them to the engine. The proxy does not know the model's width, so any width above 0
+passes. Anything else raises `BadEncoderAnswer`, which the pool counts as that encoder failing
+the call's items (their next choices, then the engine's own pixels).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,17 +46,24 @@ def _merges_to(grid: list[int], tokens: int) -> bool:
     return rest == 0 and m * m == unit and h % m == 0 and w % m == 0
 
 
-def encode_facts(content: bytes, modality: str) -> dict[str, Any]:
-    """The one item's facts of a `/v1/cache/encode` answer for a part of `modality`: modality,
-    hash, grid_thw, num_tokens, timestamps, held (the fields the rewrite reads, checked)."""
+def encode_facts(content: bytes, modalities: Sequence[str]) -> list[dict[str, Any]]:
+    """Each item's facts of a `/v1/cache/encode` answer for parts of `modalities`, in order:
+    modality, hash, grid_thw, num_tokens, timestamps, held (the fields the rewrite reads,
+    checked); one item's facts per part, no more and no fewer."""
     try:
         doc = strict_json(content)
     except ValueError as e:
         raise BadEncoderAnswer(f"encode: the answer is not JSON ({e}): {content[:80]!r}") from None
     items = doc.get("items") if isinstance(doc, dict) else None
-    if not (isinstance(items, list) and len(items) == 1 and isinstance(items[0], dict)):
-        raise BadEncoderAnswer(f"encode: 'items' must hold one item's facts: {content[:120]!r}")
-    f = items[0]
+    n = len(modalities)
+    if not (
+        isinstance(items, list) and len(items) == n and all(isinstance(f, dict) for f in items)
+    ):
+        raise BadEncoderAnswer(f"encode: 'items' must hold {n} items' facts: {content[:120]!r}")
+    return [_facts(f, modality) for f, modality in zip(items, modalities)]
+
+
+def _facts(f: dict[str, Any], modality: str) -> dict[str, Any]:
     if f.get("modality") != modality:
         raise BadEncoderAnswer(f"encode: modality {f.get('modality')!r} for a {modality} part")
     h = f.get("hash")
@@ -94,24 +102,31 @@ def encode_facts(content: bytes, modality: str) -> dict[str, Any]:
     }
 
 
-def loaded_rows(content: bytes, facts: dict[str, Any], dtype: str) -> torch.Tensor:
-    """The item's `[num_tokens, width]` rows in `dtype` from a `/v1/cache/load` body, checked
-    as the rewrite hands them to the engine."""
+def loaded_rows(content: bytes, facts: Sequence[dict[str, Any]], dtype: str) -> list[torch.Tensor]:
+    """Each item's `[num_tokens, width]` rows in `dtype` from a `/v1/cache/load` body holding
+    exactly their hashes, checked as the rewrite hands them to the engine."""
     from mmferry.engines.rows import EngineItem
 
-    h = facts["hash"]
     try:
-        rows = read_rows(content, [h])[h]
-        check_rows(h, rows, facts["num_tokens"], DTYPES[dtype])
-        # NOTE: a tower's rows are layer-normed, never NaN or infinite; such rows are a broken
-        # encoder's, and vLLM would generate from them without a word.
-        if not bool(torch.isfinite(rows).all()):
-            raise ValueError(f"{h}: rows hold NaN or infinite values")
-        # The rewrite's own item (its merge rule and timestamps), built once here so that an
-        # answer it would refuse fails this encoder instead of the request.
-        stamps = facts["timestamps"]
-        grid = tuple(facts["grid_thw"])
-        EngineItem(facts["modality"], grid, rows, h, None if stamps is None else tuple(stamps))
-    except (BadAnswer, BadRows, ValueError) as e:
+        loaded = read_rows(content, list(dict.fromkeys(f["hash"] for f in facts)))
+    except BadAnswer as e:
         raise BadEncoderAnswer(str(e)) from None
-    return rows
+    out = []
+    for f in facts:
+        h = f["hash"]
+        rows = loaded[h]
+        try:
+            check_rows(h, rows, f["num_tokens"], DTYPES[dtype])
+            # NOTE: a tower's rows are layer-normed, never NaN or infinite; such rows are a
+            # broken encoder's, and vLLM would generate from them without a word.
+            if not bool(torch.isfinite(rows).all()):
+                raise ValueError(f"{h}: rows hold NaN or infinite values")
+            # The rewrite's own item (its merge rule and timestamps), built once here so that
+            # an answer it would refuse fails this encoder instead of the request.
+            stamps = f["timestamps"]
+            grid = tuple(f["grid_thw"])
+            EngineItem(f["modality"], grid, rows, h, None if stamps is None else tuple(stamps))
+        except (BadAnswer, BadRows, ValueError) as e:
+            raise BadEncoderAnswer(str(e)) from None
+        out.append(rows)
+    return out

@@ -67,18 +67,6 @@ class ProxyState:
         self.cut_reads = asyncio.Event()  # set at the drain deadline (server/run.py)
 
 
-async def encode_all(state: ProxyState, media: list) -> list:
-    """Every item encoded in parallel (across encoders); the first refusal cancels the rest."""
-    tasks = [asyncio.ensure_future(state.encoders.encode(m)) for m in media]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
 class ProxyIntake(Intake):
     """server/intake.py for the proxy: answers counted by route, in the engine's error shape."""
 
@@ -266,7 +254,7 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         media = find_media(body, state.policy, config.allow_client_embeds)
         if not media:
             return json.dumps(body).encode(), None
-        answers = await encode_all(state, media)
+        answers = await state.encoders.encode(media)
         raw = json.dumps(rewrite(body, media, answers, config.mode)).encode()
         n = by_reference(media, answers, config.mode)
         if not n or not as_pixels(media):

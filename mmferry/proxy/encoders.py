@@ -1,13 +1,18 @@
-"""`EncoderPool`: one item to the encoder its key routes to, failing over to its next choices.
+"""`EncoderPool`: a request's items to the encoders their keys route to, one call per encoder,
+failing over to each item's next choices.
 
-An encoder that refuses the connection, times out (or answers 408), is overloaded (429) or
-answers 5xx is marked down and the item goes to its next choice; it is not probed again before
-the Retry-After it answered has passed. A background task probes down encoders' `/health`
-(with the router's backoff) and brings them back. An encoder's own refusal of the item (any
-other 4xx: bad media, too large) is the client's answer. An answer that is not the protocol's
-(answers.py: malformed, lying facts, rows that do not fit) fails that encoder for the item, as
-a 5xx does, without marking it down. When no encoder can serve an item, or the one that encoded
-it does not hold it for the engine, the item goes to the engine as pixels (`None`).
+The items routed to one encoder go to it in one `/v1/cache/encode` call (one round trip, one
+batch in its tower), and in embeds mode their rows come back in one load. An encoder that
+refuses the connection, times out (or answers 408), is overloaded (429) or answers 5xx is
+marked down and the call's items go to their next choices; it is not probed again before the
+Retry-After it answered has passed. A background task probes down encoders' `/health` (with
+the router's backoff) and brings them back. An encoder's own refusal of an item (any other 4xx
+naming a part: bad media, too large) is the client's answer; a refusal of the call itself (its
+body or item count over the encoder's limits) sends the call's items one by one. An answer
+that is not the protocol's (answers.py: malformed, lying facts, rows that do not fit) fails
+that encoder for the call's items, as a 5xx does, without marking it down. When no encoder can
+serve an item, or the one that encoded it does not hold it for the engine, the item goes to the
+engine as pixels (`None`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 from mmferry.proxy.answers import BadEncoderAnswer, encode_facts, loaded_rows
 from mmferry.proxy.config import ProxyConfig
-from mmferry.proxy.media import Encoded, Media, client_error
+from mmferry.proxy.media import Encoded, Media, client_error, names_a_part
 from mmferry.proxy.metrics import ProxyMetrics
 from mmferry.routing import Router
 from mmferry.server.limits import RequestError
@@ -46,6 +51,26 @@ class _Failed(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+
+
+class _Split(Exception):
+    """An encoder refused a call of several items as a whole (its size, its item count)."""
+
+
+# An item whose call failed: its next choice takes it.
+_NEXT = object()
+
+
+async def gather_or_cancel(calls: Any) -> list[Any]:
+    """The calls' results in order; the first exception cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class EncoderPool:
@@ -86,10 +111,11 @@ class EncoderPool:
         self.router.mark_up(url)
         self.metrics.encoder_up.labels(url).set(1)
 
-    async def _post(self, url: str, route: str, body: dict[str, Any], media: Media) -> Any:
-        """The encoder's 200 response; RequestError for its refusal of the item (a 4xx but
-        408 and 429); _Failed when the encoder could not serve (marked down, except for a 401
-        or an answer not the protocol's)."""
+    async def _post(self, url: str, route: str, body: dict[str, Any], media: list[Media]) -> Any:
+        """The encoder's 200 response; RequestError for its refusal of an item (a 4xx but
+        408 and 429); _Split for its refusal of a call of several items as a whole; _Failed
+        when the encoder could not serve (marked down, except for a 401 or an answer not the
+        protocol's)."""
         t0 = time.perf_counter()
         try:
             r = await self.http.post(url + route, json=body)
@@ -102,8 +128,8 @@ class EncoderPool:
             return r
         if r.status_code >= 500 or r.status_code in (408, 429):
             # The encoder's fault, its timeout (408) or its overload (429, 503), never the
-            # client's: the item's next choice takes it, and this encoder is left alone until
-            # its probe, and for as long as it asked (Retry-After).
+            # client's: the items' next choices take them, and this encoder is left alone
+            # until its probe, and for as long as it asked (Retry-After).
             self._down(url, hold_s=retry_after_s(r.headers.get("retry-after")))
             raise _Failed(f"http_{r.status_code}", r.text[:200])
         if r.status_code == 401:
@@ -116,60 +142,104 @@ class EncoderPool:
         if no_route or not 400 <= r.status_code < 500:
             # Not the protocol's (a redirect, a 204): no refusal of the item to pass on.
             raise _Failed("bad_answer", f"status {r.status_code}: {r.text[:200]}")
+        if len(media) > 1 and r.status_code in (413, 422) and not names_a_part(r.text):
+            # The call's size or item count over this encoder's limits, not an item's fault.
+            raise _Split(r.text[:200])
         raise client_error(r.status_code, r.text, media)
 
-    async def encode(self, media: Media) -> Encoded | None:
-        """The item encoded and held by an encoder (with its rows in embeds mode), or None:
-        send its pixels. RequestError when an encoder refused the item itself."""
-        tried: list[str] = []
-        while True:
-            url = self.router.route(media.key, exclude=tried)
-            if url is None:
-                self.metrics.items_fallback.labels("no_encoder").inc()
-                return None
-            tried.append(url)
-            self.router.acquire(url)
-            try:
-                return await self._encode_on(url, media)
-            except _Failed as e:
-                self.metrics.encoder_failures.labels(url, e.reason).inc()
-                log.warning("encoder %s failed (%s); trying the item's next choice", url, e)
-            finally:
+    async def encode(self, media: list[Media]) -> list[Encoded | None]:
+        """Each item encoded and held by an encoder (with its rows in embeds mode), or None:
+        send its pixels. The items routed to one encoder go to it in one call; those of a call
+        that failed go to their next choices. RequestError when an encoder refused an item
+        itself (the first refusal cancels the other calls)."""
+        done: list[Encoded | None] = [None] * len(media)
+        tried: list[list[str]] = [[] for _ in media]
+        pending = list(range(len(media)))
+        while pending:
+            calls: dict[str, list[int]] = {}
+            for i in pending:
+                url = self.router.route(media[i].key, exclude=tried[i])
+                if url is None:
+                    self.metrics.items_fallback.labels("no_encoder").inc()
+                    continue
+                tried[i].append(url)
+                self.router.acquire(url)  # counted before the next item is routed
+                calls.setdefault(url, []).append(i)
+            results = await gather_or_cancel(
+                self._call(url, [media[i] for i in idx]) for url, idx in calls.items()
+            )
+            pending = []
+            for idx, result in zip(calls.values(), results):
+                for i, answer in zip(idx, result):
+                    if answer is _NEXT:
+                        pending.append(i)
+                    else:
+                        done[i] = answer
+        return done
+
+    async def _call(self, url: str, media: list[Media]) -> list[Any]:
+        """One call's answers per item: Encoded, None (its pixels) or _NEXT (its next choice)."""
+        try:
+            return await self._encode_on(url, media)
+        except _Split:
+            one_by_one = await gather_or_cancel(self._call(url, [m]) for m in media)
+            return [answer for (answer,) in one_by_one]
+        except _Failed as e:
+            self.metrics.encoder_failures.labels(url, e.reason).inc()
+            log.warning("encoder %s failed (%s); trying the items' next choices", url, e)
+            return [_NEXT] * len(media)
+        finally:
+            for _ in media:
                 self.router.release(url)
 
-    async def _encode_on(self, url: str, media: Media) -> Encoded | None:
-        r = await self._post(url, ENCODE, {"content": [media.raw]}, media)
+    async def _encode_on(self, url: str, media: list[Media]) -> list[Encoded | None]:
+        r = await self._post(url, ENCODE, {"content": [m.raw for m in media]}, media)
         try:
-            facts = encode_facts(r.content, media.modality)
+            facts = encode_facts(r.content, [m.modality for m in media])
         except BadEncoderAnswer as e:
             raise _Failed("bad_answer", str(e)) from None
-        self.metrics.items_routed.labels(url).inc()
-        if not facts["held"]:
-            self.metrics.items_fallback.labels("not_held").inc()
-            return None
+        self.metrics.items_routed.labels(url).inc(len(media))
+        answers: list[Encoded | None] = []
+        for f in facts:
+            if not f["held"]:
+                self.metrics.items_fallback.labels("not_held").inc()
+            answers.append(Encoded(f) if f["held"] else None)
         if self.config.mode == "connector":
-            return Encoded(facts)
-        if facts["pixels"]:
-            # NOTE: refused, not sent as pixels for vLLM to encode itself: the deployment
-            # asked for the encoders' rows, and would get vLLM's own without a word.
-            raise RequestError(
-                501,
-                "not_supported",
-                f"{media.part.where}: the encoders serve this model through mmferry's generic "
-                "family, whose rows vLLM (0.32) takes through its encoder-cache connector only, "
-                "not as embeddings: run mmferry proxy --mode connector, with vLLM's "
-                "MmferryECConnector",
-            )
-        # Embeds mode: the rows come through the proxy; the load releases the pin.
-        body = {"hashes": [facts["hash"]], "dtype": self.config.dtype}
+            return answers
+        for m, f in zip(media, facts):
+            if f["held"] and f["pixels"]:
+                # NOTE: refused, not sent as pixels for vLLM to encode itself: the deployment
+                # asked for the encoders' rows, and would get vLLM's own without a word.
+                raise RequestError(
+                    501,
+                    "not_supported",
+                    f"{m.part.where}: the encoders serve this model through mmferry's generic "
+                    "family, whose rows vLLM (0.32) takes through its encoder-cache connector "
+                    "only, not as embeddings: run mmferry proxy --mode connector, with vLLM's "
+                    "MmferryECConnector",
+                )
+        # Embeds mode: the rows come through the proxy; the load releases the pins.
+        held = [(k, a) for k, a in enumerate(answers) if a is not None]
+        if held:
+            for (k, _), rows in zip(held, await self._load(url, [a.facts for _, a in held], media)):
+                answers[k] = None if rows is None else Encoded(facts[k], rows)
+        return answers
+
+    async def _load(self, url: str, facts: list[dict], media: list[Media]) -> list[Any]:
+        """The rows of the held items `facts` in one load: None for an item the encoder lost
+        since its encode (its pixels go to the engine)."""
+        body = {"hashes": list(dict.fromkeys(f["hash"] for f in facts)), "dtype": self.config.dtype}
         try:
             r = await self._post(url, "/v1/cache/load", body, media)
         except RequestError as e:  # 404: evicted since the encode; the engine encodes it
-            log.warning("encoder %s lost %s before its load: %s", url, facts["hash"], e.message)
-            self.metrics.items_fallback.labels("not_held").inc()
-            return None
+            if len(body["hashes"]) > 1:
+                # One lost item fails the whole load: the others are loaded alone.
+                return [(await self._load(url, [f], media))[0] for f in facts]
+            log.warning("encoder %s lost %s before its load: %s", url, body["hashes"], e.message)
+            self.metrics.items_fallback.labels("not_held").inc(len(facts))
+            return [None] * len(facts)
         try:
-            return Encoded(facts, loaded_rows(r.content, facts, self.config.dtype))
+            return loaded_rows(r.content, facts, self.config.dtype)
         except BadEncoderAnswer as e:
             raise _Failed("bad_answer", str(e)) from None
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,9 @@ from mmferry.chat.parts import (
 from mmferry.chat.sources import Reference
 from mmferry.server.limits import RequestError, over_limit
 from mmferry.server.sources import refused
+
+# How an encoder's refusal names the part of its call it is about.
+_PART = re.compile(r"part (\d+)\b")
 
 
 @dataclass(frozen=True)
@@ -303,14 +307,26 @@ def as_pixels(media: Sequence[Media]) -> bool:
     return True
 
 
-def client_error(status: int, text: str, media: Media) -> RequestError:
-    """An encoder's refusal of one item as the client's answer: its status and kind, the
-    message naming the item where the client put it (the encoder saw it as part 0)."""
+def _refusal(text: str) -> tuple[str, str]:
+    """An encoder's error body as (kind, message)."""
     try:
         err = json.loads(text)["error"]
-        kind, message = str(err["kind"]), str(err["message"])
+        return str(err["kind"]), str(err["message"])
     except (ValueError, KeyError, TypeError):
-        kind, message = "encoder_refused", text[:500]
-    if message.startswith("part 0"):
-        message = media.part.where + message[len("part 0") :]
+        return "encoder_refused", text[:500]
+
+
+def client_error(status: int, text: str, media: Sequence[Media]) -> RequestError:
+    """An encoder's refusal of an item as the client's answer: its status and kind, the
+    message naming the item where the client put it (the encoder saw `media[k]` as part k)."""
+    kind, message = _refusal(text)
+    found = _PART.match(message)
+    if found is not None and int(found.group(1)) < len(media):
+        message = media[int(found.group(1))].part.where + message[found.end() :]
     return RequestError(status, kind, message)
+
+
+def names_a_part(text: str) -> bool:
+    """Whether an encoder's refusal is about one of the call's parts (else the call itself:
+    its size or its count of items)."""
+    return _PART.match(_refusal(text)[1]) is not None

@@ -357,8 +357,9 @@ def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
     async def encode(request: Any, body: Any) -> Any:
         local = request.client is not None and request.client.host in LOCAL_HOSTS
         items, outs = await encode_items(service, body, local)
-        held = {it.hash: pins.hold(it.hash, out) for it, out in zip(items, outs)}
-        return {"items": [{**facts(it), "held": held[it.hash]} for it in items]}
+        with service.metrics.stage("respond"):
+            held = {it.hash: pins.hold(it.hash, out) for it, out in zip(items, outs)}
+            return {"items": [{**facts(it), "held": held[it.hash]} for it in items]}
 
     app.post("/v1/cache/lookup")(intake.route(lookup))
     app.post("/v1/cache/load")(intake.route(load))

@@ -9,11 +9,12 @@ the real vLLM."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
@@ -308,3 +309,127 @@ def test_an_overloaded_encoder_is_left_alone_for_its_retry_after(engine):
             assert len(busy.calls("encode")) == 2  # back in the routing once it elapsed
         finally:
             front.stop()
+
+
+# -- a request's items routed to one encoder go to it in one call -----------------------------
+
+
+def _hash_of(part: dict) -> str:
+    return "h" + hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _rows_of(h: str) -> torch.Tensor:
+    return torch.randn(6, 12, generator=torch.Generator().manual_seed(int(h[1:], 16)))
+
+
+def _each_part(body: dict) -> Answer:
+    """The protocol's answer to a call of any number of parts: each part's facts, in order."""
+    items = [{**FACTS, "hash": _hash_of(p)} for p in body["content"]]
+    return js({"items": items})
+
+
+def _their_rows(lost: frozenset[str] = frozenset()) -> Callable[[dict], Answer]:
+    """The load answer for the asked hashes; a load asking for a hash in `lost` is a 404."""
+
+    def answer(body: dict) -> Answer:
+        gone = [h for h in body["hashes"] if h in lost]
+        if gone:
+            return js({"error": {"kind": "not_found", "message": f"not held: {gone[0]}"}}, 404)
+        return rows({h: _rows_of(h) for h in body["hashes"]})
+
+    return answer
+
+
+def _chat(front: Proc, content: list[dict]) -> httpx.Response:
+    _Engine.seen.clear()
+    body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    return httpx.post(f"{front.url}/v1/chat/completions", json=body, timeout=60)
+
+
+def _forwarded_all(front: Proc, content: list[dict]) -> list[dict]:
+    r = _chat(front, content)
+    assert r.status_code == 200, r.text
+    (sent,) = _Engine.seen
+    return sent["messages"][0]["content"]
+
+
+PARTS = [image_part(image(28, 28, s)) for s in (11, 12, 13)]
+
+
+def test_a_requests_items_go_to_their_encoder_in_one_call(alone, liar):
+    liar.answer("encode", _each_part)
+    liar.answer("load", _their_rows())
+    encodes, loads = len(liar.calls("encode")), len(liar.calls("load"))
+    sent = _forwarded_all(alone, [TEXT, *PARTS])
+    assert [b["content"] for _, b in liar.calls("encode")[encodes:]] == [PARTS]
+    hashes = [_hash_of(p) for p in PARTS]
+    assert [b["hashes"] for _, b in liar.calls("load")[loads:]] == [hashes]
+    assert sent[0] == TEXT
+    for part, h in zip(sent[1:], hashes):
+        assert part["type"] == "image_embeds" and part["uuid"] == h
+        assert torch.equal(sent_rows(part), _rows_of(h))
+
+
+def test_the_same_item_twice_in_a_call_is_loaded_once(alone, liar):
+    liar.answer("encode", _each_part)
+    liar.answer("load", _their_rows())
+    loads = len(liar.calls("load"))
+    sent = _forwarded_all(alone, [PARTS[0], PARTS[0], TEXT])
+    h = _hash_of(PARTS[0])
+    assert [b["hashes"] for _, b in liar.calls("load")[loads:]] == [[h]]
+    assert [p["uuid"] for p in sent[:2]] == [h, h]
+    assert torch.equal(sent_rows(sent[1]), _rows_of(h))
+
+
+def test_a_call_refused_as_a_whole_is_sent_one_by_one(alone, liar):
+    """An encoder whose limits refuse the call (too many items, too large a body), naming no
+    part: each item goes to it alone."""
+
+    def one_at_a_time(body: dict) -> Answer:
+        if len(body["content"]) > 1:
+            return js({"error": {"kind": "too_many_items", "message": "at most 1 item"}}, 422)
+        return _each_part(body)
+
+    liar.answer("encode", one_at_a_time)
+    liar.answer("load", _their_rows())
+    encodes = len(liar.calls("encode"))
+    sent = _forwarded_all(alone, [*PARTS, TEXT])
+    sizes = sorted(len(b["content"]) for _, b in liar.calls("encode")[encodes:])
+    assert sizes == [1, 1, 1, 3]
+    assert [p["uuid"] for p in sent[:3]] == [_hash_of(p) for p in PARTS]
+
+
+def test_an_encoders_refusal_of_one_part_names_the_clients_part(alone, liar):
+    refusal = {"error": {"kind": "bad_media", "message": "part 1: cannot identify image file"}}
+    liar.answer("encode", js(refusal, 422))
+    r = _chat(alone, [TEXT, *PARTS])
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["type"] == "bad_media"
+    # The encoder's part 1 is the client's message 0 part 2 (the text is part 0).
+    assert error["message"] == "message 0 part 2: cannot identify image file"
+    assert _Engine.seen == []
+
+
+def test_an_answer_for_fewer_parts_than_the_call_sends_their_pixels(alone, liar):
+    short = js({"items": [{**FACTS, "hash": _hash_of(p)} for p in PARTS[:2]]})
+    liar.answer("encode", short)
+    liar.answer("load", _their_rows())
+    before = failures(alone, liar.url)
+    assert _forwarded_all(alone, [*PARTS, TEXT]) == [*PARTS, TEXT]  # every item's pixels
+    after = failures(alone, liar.url)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 3)  # one call failed, 3 items
+
+
+def test_an_item_lost_before_the_load_is_loaded_alone_and_goes_as_pixels(alone, liar):
+    """One lost item fails the call's load; the others are loaded one by one. The request then
+    goes as pixels all the same: vLLM refuses raw and embedding parts of one modality."""
+    lost = _hash_of(PARTS[1])
+    liar.answer("encode", _each_part)
+    liar.answer("load", _their_rows(frozenset({lost})))
+    loads = len(liar.calls("load"))
+    sent = _forwarded_all(alone, [*PARTS, TEXT])
+    asked = [b["hashes"] for _, b in liar.calls("load")[loads:]]
+    assert asked[0] == [_hash_of(p) for p in PARTS]  # one load first, then each alone
+    assert sorted(map(tuple, asked[1:])) == sorted((_hash_of(p),) for p in PARTS)
+    assert sent == [*PARTS, TEXT]

@@ -361,7 +361,11 @@ def test_health_is_open_and_names_no_address_and_metrics_can_ask_for_the_key(eng
 
 def _held_unless_marked(body: dict) -> Answer:
     """An encoder that holds every image (4 tokens) except the one marked "unserved", for which
-    it answers what no encoder would (that item then has no encoder left)."""
+    it answers what no encoder would (that item then has no encoder left). It takes one part a
+    call: a call of several is refused as a whole (as an encoder's item limit would), so the
+    proxy sends them one by one."""
+    if len(body["content"]) > 1:
+        return js({"error": {"kind": "too_many_items", "message": "1 item a request"}}, 422)
     (part,) = body["content"]
     if "unserved" in json.dumps(part):
         return html()

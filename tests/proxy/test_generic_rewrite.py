@@ -27,11 +27,11 @@ def answer(**facts) -> bytes:
 
 
 def test_facts_that_need_the_pixels_are_checked_and_kept():
-    gemma = encode_facts(answer(grid_thw=None, pixels=True), "image")
+    gemma = encode_facts(answer(grid_thw=None, pixels=True), ["image"])[0]
     assert gemma["grid_thw"] is None and gemma["pixels"] is True
-    glm = encode_facts(answer(grid_thw=[1, 4, 4], pixels=True), "image")
+    glm = encode_facts(answer(grid_thw=[1, 4, 4], pixels=True), ["image"])[0]
     assert glm["grid_thw"] == [1, 4, 4] and glm["pixels"] is True
-    native = encode_facts(answer(grid_thw=[1, 4, 4]), "image")  # a service without the field
+    native = encode_facts(answer(grid_thw=[1, 4, 4]), ["image"])[0]  # a service without the field
     assert native["pixels"] is False
     bad = [
         (answer(grid_thw=None), "image"),  # no grid, and nothing says the pixels go
@@ -42,7 +42,7 @@ def test_facts_that_need_the_pixels_are_checked_and_kept():
     ]
     for body, modality in bad:
         with pytest.raises(BadEncoderAnswer):
-            encode_facts(body, modality)
+            encode_facts(body, [modality])
 
 
 def body(*urls: str) -> dict:
@@ -54,7 +54,7 @@ def test_connector_mode_sends_the_pixels_named_by_the_hash(tmp_path):
     req = body(DATA, DATA)
     media = find_media(req, source_policy(Limits()))
     facts = [
-        encode_facts(answer(grid_thw=None, pixels=True, hash=h), "image") for h in ("h1", "h2")
+        encode_facts(answer(grid_thw=None, pixels=True, hash=h), ["image"])[0] for h in ("h1", "h2")
     ]
     out = rewrite(req, media, [Encoded(f) for f in facts], "connector")
     parts = out["messages"][0]["content"][1:]
