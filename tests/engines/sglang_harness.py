@@ -53,6 +53,8 @@ SHM = Path("/dev/shm")
 # and the semaphores of Python's multiprocessing (named under the spawn start method, and
 # unlinked by a resource tracker that dies in the same group).
 LEFTOVERS = ("sglang_loads_", "sem.mp-")
+# vLLM's: its shared-memory broadcast segments (Python's `shared_memory`) and semaphores.
+VLLM_LEFTOVERS = ("psm_", "sem.mp-")
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -72,10 +74,10 @@ def group_pids(pgid: int) -> list[int]:
     return pids
 
 
-def held_shm(pids: list[int]) -> set[str]:
-    """The names in /dev/shm of SGLang's kinds (`LEFTOVERS`) whose files `pids` map or hold
-    open. Matched by inode: glibc's `sem_open` maps a temporary file it then links under the
-    semaphore's name, so a mapping's path need not be the name."""
+def held_shm(pids: list[int], kinds: tuple[str, ...] = LEFTOVERS) -> set[str]:
+    """The names in /dev/shm of `kinds` (name prefixes; SGLang's by default) whose files
+    `pids` map or hold open. Matched by inode: glibc's `sem_open` maps a temporary file it then
+    links under the semaphore's name, so a mapping's path need not be the name."""
     inodes: set[int] = set()
     for pid in pids:
         try:
@@ -94,7 +96,7 @@ def held_shm(pids: list[int]) -> set[str]:
     names = set()
     for entry in os.scandir(SHM):
         with contextlib.suppress(OSError):
-            if entry.name.startswith(LEFTOVERS) and entry.inode() in inodes:
+            if entry.name.startswith(kinds) and entry.inode() in inodes:
                 names.add(entry.name)
     return names
 
@@ -112,9 +114,10 @@ class ShmLeftovers:
     pgid: int
     before: set[str]
     made: set[str] = field(default_factory=set)
+    kinds: tuple[str, ...] = LEFTOVERS  # vLLM's: VLLM_LEFTOVERS
 
     def note(self) -> None:
-        self.made |= held_shm(group_pids(self.pgid)) - self.before
+        self.made |= held_shm(group_pids(self.pgid), self.kinds) - self.before
 
     def left(self) -> set[str]:
         """What is still in /dev/shm of what the group made: what it was seen holding, and any

@@ -3,8 +3,10 @@ environment), `mmferry serve` encoders and `mmferry proxy` front ends."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -16,6 +18,12 @@ from typing import Any
 import httpx
 
 from tests.engines.service import free_port
+from tests.engines.sglang_harness import (
+    VLLM_LEFTOVERS,
+    ShmLeftovers,
+    group_pids,
+    shm_names,
+)
 from tests.engines.vllm_harness import VLLM_PYTHON, vllm_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +59,7 @@ class VllmServer:
     extra: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    shm: ShmLeftovers | None = None
     # None: the checkpoint's own chat template (which writes the model's image placeholder).
     template: str | None = TEMPLATE
 
@@ -63,6 +72,7 @@ class VllmServer:
         return self.work / "vllm.log"
 
     def start(self) -> VllmServer:
+        before = shm_names()
         cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
         cmd += ["--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)]
         cmd += ["--enable-mm-embeds", "--dtype", "float32", "--enforce-eager", "--seed", "0"]
@@ -85,14 +95,22 @@ class VllmServer:
         cmd += self.extra
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(False), cwd=self.work
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=vllm_env(False),
+                cwd=self.work,
+                start_new_session=True,  # its engine core is found, and ended, by its group
             )
+        self.shm = ShmLeftovers(self.proc.pid, before, kinds=VLLM_LEFTOVERS)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
+                self.stop()
                 raise RuntimeError("vLLM exited:\n" + self.log.read_text()[-4000:])
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    self.shm.note()
                     return self
             except httpx.HTTPError:
                 pass
@@ -102,7 +120,20 @@ class VllmServer:
             time.sleep(1)
 
     def stop(self) -> None:
+        """Stopped with its whole process group, and what the group made in /dev/shm removed
+        (a force-killed engine core unlinks none of its segments)."""
+        if self.proc is None:
+            return
+        if self.shm is not None:
+            self.shm.note()
         stop(self.proc)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while group_pids(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self.shm is not None:
+            self.shm.remove()
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of a vLLM metric's samples whose labels include `labels`."""
