@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import signal
 
+from tests.engines.conftest import needs_vllm
 from tests.engines.sglang_harness import group_pids, shm_names
 from tests.engines.tiny_vlm import build_checkpoint
-from tests.engines.conftest import needs_vllm
 from tests.proxy.procs import VllmServer
 
 
