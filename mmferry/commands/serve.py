@@ -240,13 +240,11 @@ def run(args: argparse.Namespace) -> int:
 
         args.device = init_group(args.device, env.world_size, env.local_rank)
     proc, enc = build(args)
-    if not proc.native and (args.store is not None or env.world_size > 1):
-        # NOTE: the store keys rows by the tower's weights as a native spec reads them, and
-        # the sharded encode splits a native tower's work; neither knows transformers' model.
-        what = "--store" if args.store is not None else "torchrun (several ranks)"
+    if not proc.native and env.world_size > 1:
+        # NOTE: the sharded encode splits a native tower's work; it knows no transformers model.
         print(
-            f"mmferry serve: {what} serves native families only; {args.model} is read through "
-            "the generic family",
+            "mmferry serve: torchrun (several ranks) serves native families only; "
+            f"{args.model} is read through the generic family",
             file=sys.stderr,
         )
         return 2

@@ -79,11 +79,45 @@ def _vision_tensors(
                 yield name, t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
 
 
+def _skeleton(
+    tf: Any, root: Path, attention: str = "sdpa"
+) -> tuple[nn.Module, tuple[str, ...], set[str]]:
+    """The checkpoint's model on `meta`, its language model's key prefixes, and the keys of
+    what the generic family loads (everything else)."""
+    config = hf_config(tf, root)
+    config._attn_implementation = attention
+    with torch.device("meta"):
+        try:
+            model = tf.AutoModelForImageTextToText.from_config(config)
+        except ValueError:  # no image-text model class for this config
+            raise ValueError(
+                f"{root}: transformers has no image-text model for model_type "
+                f"{config.model_type!r}, so the generic family cannot serve it"
+            ) from None
+    skip = _language_prefixes(model)
+    wanted = {k for k in model.state_dict() if not k.startswith(skip)}
+    if not wanted:
+        raise ValueError(f"{root}: {type(model).__name__} has no vision weights")
+    return model, skip, wanted
+
+
+def iter_generic_vision_tensors(
+    model_dir: str | Path, *, device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(model key, tensor) for every checkpoint tensor the generic encoder loads, one at a
+    time (what its store identity hashes)."""
+    root = Path(model_dir)
+    model, _, wanted = _skeleton(_transformers(), root)
+    yield from _vision_tensors(root, model, wanted, device, dtype)
+
+
 class GenericVisionEncoder:
     """`VisionEncoder` for any checkpoint transformers serves: its `get_image_features`."""
 
     moves_own_inputs = True
     accepted_layouts = ("hf",)
+    # `get_image_features` rows carry no deepstack levels (what a store entry's header says).
+    num_deepstack = 0
 
     def __init__(self, model: nn.Module, *, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model.eval()
@@ -111,20 +145,7 @@ class GenericVisionEncoder:
         tf = _transformers()
         root = Path(model_dir)
         device = torch.device(device)
-        config = hf_config(tf, root)
-        config._attn_implementation = attention
-        with torch.device("meta"):
-            try:
-                model = tf.AutoModelForImageTextToText.from_config(config)
-            except ValueError:  # no image-text model class for this config
-                raise ValueError(
-                    f"{root}: transformers has no image-text model for model_type "
-                    f"{config.model_type!r}, so the generic family cannot serve it"
-                ) from None
-        skip = _language_prefixes(model)
-        wanted = {k for k in model.state_dict() if not k.startswith(skip)}
-        if not wanted:
-            raise ValueError(f"{root}: {type(model).__name__} has no vision weights")
+        model, skip, wanted = _skeleton(tf, root, attention)
         # Real (empty) storage for the vision part first; then the modules that own buffers
         # the checkpoint does not hold (rotary tables, position ids) compute them as
         # transformers does at load; then the checkpoint's tensors replace the parameters.

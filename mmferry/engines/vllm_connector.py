@@ -29,9 +29,10 @@ item is asked for in the order rendezvous hashing of its routing key ranks them,
 `mooncake://` address the encoders publish to), items are also looked for in the store, where
 the existence check leases them, and read from it straight into a registered buffer, whichever
 encoder made them; what the store lacks comes from the service as with "auto" (`store_model`,
-`store_dtype`, `store_lease_s`: see `store_reader`). The store is asked as a service is: each
-lookup answers within `lookup_timeout_s` or is "absent" (and the store left alone a moment),
-and the store's client connects in the background, items being absent from it until it is up.
+`store_family`, `store_dtype`, `store_lease_s`: see `store_reader`). The store is asked as a
+service is: each lookup answers within `lookup_timeout_s` or is "absent" (and the store left
+alone a moment), and the store's client connects in the background, items being absent from it
+until it is up.
 
 vLLM loads this module by path in its scheduler and worker processes; importing it without
 vLLM installed fails with a message naming what to install.
@@ -70,7 +71,7 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 # service: a service that restarted has lost its rows, so waiting longer only stalls the step.
 UNREACHABLE_S = 2.0
 EXTRA_KEYS = ("url", "urls", "api_key", "transport", "timeout_s", "lookup_timeout_s")
-STORE_KEYS = ("store", "store_model", "store_dtype", "store_lease_s")
+STORE_KEYS = ("store", "store_model", "store_family", "store_dtype", "store_lease_s")
 
 
 @dataclass
@@ -112,9 +113,12 @@ def store_reader(
 ) -> Any:
     """The `transport: mooncake` reader (mmferry/store/engine.py): the store's address, the
     model's identity (`store_model`: NAME@WEIGHTS as `mmferry serve --store` prints it, else
-    computed from vLLM's checkpoint folder), the rows' dtype in the store (`store_dtype`, the
-    encoders' --dtype; default: the model's) and the store's lease (`store_lease_s`); a lookup's
-    deadline, and how long a worker's load waits for the client's connect."""
+    computed from vLLM's checkpoint folder through `store_family`, the encoders' --family:
+    "auto" by default, "generic" for encoders that read a native checkpoint through
+    transformers), the rows' dtype in the store (`store_dtype`, the encoders' --dtype; default:
+    the model's) and the store's lease (`store_lease_s`); a lookup's deadline, and how long a
+    worker's load waits for the client's connect."""
+    from mmferry.models.generic import FAMILY_CHOICES, GENERIC, family_choice
     from mmferry.store.engine import LEASE_S, StoreReader, identity_for
 
     url = extra.get("store")
@@ -124,10 +128,20 @@ def store_reader(
     dtype = extra.get("store_dtype")
     if dtype is not None and dtype not in dtypes:
         raise ValueError(f"store_dtype must be one of {tuple(dtypes)}, got {dtype!r}")
+    family = extra.get("store_family", "auto")
+    if family not in FAMILY_CHOICES:
+        raise ValueError(f"store_family must be one of {FAMILY_CHOICES}, got {family!r}")
     levels = deepstack_levels(model_config)
+    folder = str(model_config.model)
+    if family == GENERIC and levels:
+        # NOTE: `get_image_features` rows carry no deepstack levels; this model takes them.
+        raise ValueError(
+            f"store_family generic: {model_config.hf_config.model_type} takes {levels} deepstack "
+            "levels, which the generic family's rows do not carry"
+        )
     return StoreReader(
         url,
-        identity_for(str(extra.get("store_model") or model_config.model)),
+        identity_for(str(extra.get("store_model") or folder), family_choice(family)),
         dtype=dtypes[dtype] if dtype else model_config.dtype,
         hidden=int(model_config.get_inputs_embeds_size()),
         deepstack=levels,

@@ -133,7 +133,7 @@ class EncoderService:
         self.metrics = Metrics()
         self.cache = EncoderCache(config.cache_bytes)
         self.metrics.cache_bytes.set_function(lambda: self.cache.used_bytes)
-        self.store = _shared_store(config, encoder, self.metrics)
+        self.store = _shared_store(config, encoder, self.metrics, generic=self.generic)
         # `encode` replaces a plain encoder call (the sharded leader under torchrun: one call at
         # a time, its ranks in step).
         workers, threads = encoder_workers(
@@ -364,14 +364,18 @@ def encoder_workers(asked: int | None, device: torch.device | None) -> tuple[int
     return asked, max(1, total // asked)
 
 
-def _shared_store(config: ServiceConfig, encoder: VisionEncoder, metrics: Metrics) -> Any:
+def _shared_store(
+    config: ServiceConfig, encoder: VisionEncoder, metrics: Metrics, *, generic: bool
+) -> Any:
     """The shared store the config names (looked up before encoding, published to after), or
-    None."""
+    None; a generic-family encoder keys its rows by the generic identity."""
     if config.store is None:
         return None
+    from mmferry.models.generic import GENERIC
     from mmferry.store.shared import SharedStore
 
-    return SharedStore(config.store, encoder, config.model, metrics.registry)
+    family = GENERIC if generic else None
+    return SharedStore(config.store, encoder, config.model, metrics.registry, family=family)
 
 
 def _choice(options: dict[str, Any], name: str, default: str, allowed: Sequence[str]) -> str:

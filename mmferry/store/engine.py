@@ -50,11 +50,13 @@ CONNECT_WAIT_S = 30.0  # how long a load waits for a connect in progress
 _HEADER_SLACK = 4096  # bytes read past an entry's rows for its prefix and JSON header
 
 
-def identity_for(model: str) -> ModelIdentity:
+def identity_for(model: str, family: str | None = None) -> ModelIdentity:
     """A model's identity from `name@weights` (as `mmferry serve --store` prints it) or from
-    its checkpoint folder (the vision weights hashed as the service hashes them)."""
+    its checkpoint folder (the vision weights hashed as the service hashes them, through the
+    path `family` picks as `--family` does: None or "auto", the native spec where mmferry has
+    one, else the generic family; "generic" for encoders served with `--family generic`)."""
     if Path(model).is_dir():
-        return ModelIdentity.of_checkpoint(model)
+        return ModelIdentity.of_checkpoint(model, family)
     name, sep, weights = model.rpartition("@")
     if not sep or not name or len(weights) != 32:
         raise ValueError(

@@ -34,7 +34,8 @@ class EntryError(ValueError):
 @dataclass(frozen=True)
 class ModelIdentity:
     """What makes two encoders' rows interchangeable: the checkpoint's name and a hash of the
-    tower's weights (name, dtype and shape of each tensor, then its bytes)."""
+    tower's weights (name, dtype and shape of each tensor, then its bytes) and, for the generic
+    family, of the family's name."""
 
     name: str
     weights: str
@@ -48,28 +49,41 @@ class ModelIdentity:
         return cls(name, _weights_hash(tower.state_dict().items()))
 
     @classmethod
-    def of_checkpoint(cls, model_dir: str | Path) -> ModelIdentity:
+    def of_checkpoint(cls, model_dir: str | Path, family: str | None = None) -> ModelIdentity:
         """A checkpoint folder's: its name and its vision weights as stored, read one tensor
         at a time, so an encoder and an engine's connector on the same checkpoint agree
-        whatever dtype or device each runs in."""
+        whatever dtype or device each runs in. `family` picks the path as the loaders do
+        (None or "auto": the native spec where there is one, else the generic family)."""
+        from mmferry.models.generic import GENERIC, uses_generic
+
+        cpu, name = torch.device("cpu"), Path(model_dir).resolve().name
+        if uses_generic(model_dir, family):
+            from mmferry.encoder.generic import iter_generic_vision_tensors
+
+            tensors = iter_generic_vision_tensors(model_dir, device=cpu, dtype=torch.float32)
+            # NOTE: the family is hashed too: transformers' rows of a checkpoint mmferry also
+            # reads natively differ from the native ones in float rounding, so the two never
+            # share a key, whatever the two paths name the same tensors.
+            return cls(name, _weights_hash(tensors, family=GENERIC))
         from mmferry.encoder.loader import iter_vision_tensors
         from mmferry.models import load_model_config, spec_for
 
         spec = spec_for(load_model_config(model_dir).model_type)
-        cpu = torch.device("cpu")
         tensors = iter_vision_tensors(model_dir, spec, device=cpu, dtype=torch.float32)
-        return cls(Path(model_dir).resolve().name, _weights_hash(tensors))
+        return cls(name, _weights_hash(tensors))
 
 
-def _weights_hash(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """BLAKE3 over each tensor's name, dtype, shape and bytes, in name order."""
+def _weights_hash(tensors: Iterable[tuple[str, torch.Tensor]], family: str = "") -> str:
+    """BLAKE3 over each tensor's name, dtype, shape and bytes, in name order (after `family`,
+    none for the native families)."""
     each = []
     for key, t in tensors:
         t = t.detach().contiguous().cpu()
         h = blake3(f"{key}:{t.dtype}:{tuple(t.shape)};".encode(), max_threads=blake3.AUTO)
         h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
         each.append((key, h.digest()))
-    return blake3(b"".join(d for _, d in sorted(each))).hexdigest(length=16)
+    head = f"{family};".encode() if family else b""
+    return blake3(head + b"".join(d for _, d in sorted(each))).hexdigest(length=16)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -68,14 +68,22 @@ class SharedStore:
     `Store`): look up before encoding, publish after."""
 
     def __init__(
-        self, url: str, encoder: VisionEncoder, model: str, registry: CollectorRegistry
+        self,
+        url: str,
+        encoder: VisionEncoder,
+        model: str,
+        registry: CollectorRegistry,
+        *,
+        family: str | None = None,
     ) -> None:
         self.address = StoreAddress.parse(url)
         import_mooncake()  # the extra's message now, not on the first lookup's thread
         self.encoder = encoder
-        # A checkpoint folder's identity is read from its files, so engines can compute it.
+        # A checkpoint folder's identity is read from its files, so engines can compute it;
+        # `family` is the path the encoder was loaded through ("generic", or None: native
+        # where a spec exists), so its rows are keyed apart from the other path's.
         self.identity = (
-            ModelIdentity.of_checkpoint(model)
+            ModelIdentity.of_checkpoint(model, family)
             if Path(model).is_dir()
             else ModelIdentity.of(model, encoder.tower)
         )

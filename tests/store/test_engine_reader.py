@@ -13,7 +13,7 @@ import torch
 
 from mmferry.engines.presence import RETRY_AFTER_S, Presence
 from mmferry.store.engine import StoreReader
-from mmferry.store.entry import ModelIdentity, entry_parts
+from mmferry.store.entry import ModelIdentity, entry_key, entry_parts
 from mmferry.store.mooncake import MooncakeStore, StoreAddress
 from tests.store import cluster
 
@@ -140,3 +140,58 @@ def test_a_store_that_comes_up_later_is_found(mooncake, tmp_path):
     finally:
         r.close()
         c.stop()
+
+
+def test_a_generic_checkpoint_is_read_by_the_identity_of_its_folder(store_cluster, tmp_path):
+    """A Gemma 3 folder (no native spec): the reader an engine builds from the folder alone
+    (`identity_for`, as vLLM's connector does) reads the rows the generic encoder made, keyed as
+    `mmferry serve --store` keys them (`[tokens, hidden]`, no deepstack), into the engine's
+    dtype; a reader that names the native family's identity of a Qwen folder finds nothing the
+    generic family published for it."""
+    import mmferry as mf
+    from mmferry.store.engine import identity_for
+    from mmferry.testing.families import save_family_checkpoint
+    from tests.engines.tiny_vlm import build_checkpoint, image
+
+    folder = save_family_checkpoint("gemma3", tmp_path / "gemma3")
+    proc, enc = mf.Processor.from_pretrained(folder), mf.VisionEncoder.from_pretrained(folder)
+    item = proc.images([image(56, 56, 0)])[0]
+    (out,) = enc([item])
+    service_side = ModelIdentity.of_checkpoint(folder, "generic")
+    assert identity_for(str(folder)) == service_side
+    store = MooncakeStore(StoreAddress.parse(store_cluster.url))
+    n, d = out.embeds.shape
+    r = StoreReader(
+        store_cluster.url, identity_for(str(folder)), dtype=torch.float32, hidden=d, deepstack=0
+    )
+    try:
+        key = r.key(item.hash)
+        store.put(key, entry_parts(key, service_side, out.embeds, out.deepstack))
+        assert r.ready(30), "the reader did not connect"
+        rows = r.load({item.hash: n}, torch.device("cpu"), torch.bfloat16)
+        assert torch.equal(rows[item.hash], out.embeds.to(torch.bfloat16))
+        # A Qwen folder's rows published by a `--family generic` service: a reader of that
+        # identity finds them, a reader of the native one (the connector's default) does not.
+        qwen = build_checkpoint("qwen2_5_vl", tmp_path / "qwen")
+        gen = identity_for(str(qwen), "generic")
+        gkey = entry_key(item.hash, gen, torch.float32)
+        store.put(gkey, entry_parts(gkey, gen, out.embeds, ()))
+        for family, found in (("generic", True), (None, False)):
+            other = StoreReader(
+                store_cluster.url,
+                identity_for(str(qwen), family),
+                dtype=torch.float32,
+                hidden=d,
+                deepstack=0,
+            )
+            try:
+                assert other.ready(30)
+                assert (other.identity == gen) is found
+                assert other.lookup_pins([item.hash]) == [other.lease_s if found else 0.0]
+                got = other.load({item.hash: n}, torch.device("cpu"), torch.float32)
+                assert list(got) == ([item.hash] if found else [])
+            finally:
+                other.close()
+    finally:
+        r.close()
+        store.close()

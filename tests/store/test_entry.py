@@ -137,3 +137,50 @@ def test_checkpoint_identity_is_its_vision_weights(tmp_path):
     state[vis] = state[vis] + 1e-3
     save_file(state, path, metadata={"format": "pt"})
     assert ModelIdentity.of_checkpoint(folder).weights != ident.weights
+
+
+@pytest.mark.parametrize("family", ["gemma3", "glm4v"])
+def test_generic_checkpoint_identity_is_its_vision_weights(tmp_path, family):
+    """A checkpoint without a native spec: the generic encoder's vision tensors as stored, so the
+    same values saved in another dtype give the same identity; another vision weight gives
+    another, a language-model weight none."""
+    from safetensors.torch import load_file, save_file
+
+    from mmferry.testing.families import save_family_checkpoint
+
+    folder = save_family_checkpoint(family, tmp_path / "ckpt")
+    (path,) = folder.glob("*.safetensors")
+    # bfloat16 values saved as bfloat16, then the very same values as float32.
+    state = {
+        k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(path).items()
+    }
+    save_file(state, path, metadata={"format": "pt"})
+    ident = ModelIdentity.of_checkpoint(folder)
+    assert ident.name == "ckpt" and len(ident.weights) == 32
+    assert ModelIdentity.of_checkpoint(folder, "auto") == ident
+    assert ModelIdentity.of_checkpoint(folder, "generic") == ident
+    wide = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    save_file(wide, path, metadata={"format": "pt"})
+    assert ModelIdentity.of_checkpoint(folder) == ident
+    lm = next(k for k in wide if "language_model" in k)
+    wide[lm] = wide[lm] + 1
+    save_file(wide, path, metadata={"format": "pt"})
+    assert ModelIdentity.of_checkpoint(folder) == ident
+    vis = next(k for k in wide if ("vision" in k or "visual" in k) and k.endswith("weight"))
+    wide[vis] = wide[vis].clone()
+    wide[vis].view(-1)[0] += 1e-3
+    save_file(wide, path, metadata={"format": "pt"})
+    assert ModelIdentity.of_checkpoint(folder) != ident
+
+
+def test_generic_and_native_identities_of_one_checkpoint_differ(tmp_path):
+    """A Qwen checkpoint read through the generic family (`--family generic`) is keyed apart
+    from the native one: the two paths' rows differ in float rounding."""
+    from mmferry.testing import save_tiny_checkpoint
+
+    folder, _ = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "ckpt")
+    native = ModelIdentity.of_checkpoint(folder)
+    assert ModelIdentity.of_checkpoint(folder, "auto") == native
+    generic = ModelIdentity.of_checkpoint(folder, "generic")
+    assert generic.name == native.name and generic.weights != native.weights
+    assert ModelIdentity.of_checkpoint(folder, "generic") == generic
