@@ -62,8 +62,8 @@ class ModelIdentity:
 
             tensors = iter_generic_vision_tensors(model_dir, device=cpu, dtype=torch.float32)
             # NOTE: the family is hashed too: transformers' rows of a checkpoint mmferry also
-            # reads natively differ from the native ones in float rounding, so the two never
-            # share a key, whatever the two paths name the same tensors.
+            # reads natively differ from the native ones in float rounding, so the two must
+            # never share a key, even should both paths name the same tensors alike.
             return cls(name, _weights_hash(tensors, family=GENERIC))
         from mmferry.encoder.loader import iter_vision_tensors
         from mmferry.models import load_model_config, spec_for
