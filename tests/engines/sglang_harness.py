@@ -74,6 +74,26 @@ def group_pids(pgid: int) -> list[int]:
     return pids
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and its live descendants (a process tree that shares its parent's group)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(d.name))
+    found, todo = [], [pid] if Path(f"/proc/{pid}").exists() else []
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    return found
+
+
 def held_shm(pids: list[int], kinds: tuple[str, ...] = LEFTOVERS) -> set[str]:
     """The names in /dev/shm of `kinds` (name prefixes; SGLang's by default) whose files
     `pids` map or hold open. Matched by inode: glibc's `sem_open` maps a temporary file it then
@@ -115,9 +135,13 @@ class ShmLeftovers:
     before: set[str]
     made: set[str] = field(default_factory=set)
     kinds: tuple[str, ...] = LEFTOVERS  # vLLM's: VLLM_LEFTOVERS
+    # The processes are `pgid`'s descendants rather than its group (a server left in its
+    # parent's group: vLLM's EPD servers ran several times slower in a session of their own).
+    tree: bool = False
 
     def note(self) -> None:
-        self.made |= held_shm(group_pids(self.pgid), self.kinds) - self.before
+        pids = descendants(self.pgid) if self.tree else group_pids(self.pgid)
+        self.made |= held_shm(pids, self.kinds) - self.before
 
     def left(self) -> set[str]:
         """What is still in /dev/shm of what the group made: what it was seen holding, and any

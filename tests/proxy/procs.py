@@ -21,7 +21,7 @@ from tests.engines.service import free_port
 from tests.engines.sglang_harness import (
     VLLM_LEFTOVERS,
     ShmLeftovers,
-    group_pids,
+    descendants,
     shm_names,
 )
 from tests.engines.vllm_harness import VLLM_PYTHON, vllm_env
@@ -100,9 +100,8 @@ class VllmServer:
                 stderr=subprocess.STDOUT,
                 env=vllm_env(False),
                 cwd=self.work,
-                start_new_session=True,  # its engine core is found, and ended, by its group
             )
-        self.shm = ShmLeftovers(self.proc.pid, before, kinds=VLLM_LEFTOVERS)
+        self.shm = ShmLeftovers(self.proc.pid, before, kinds=VLLM_LEFTOVERS, tree=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
@@ -120,17 +119,20 @@ class VllmServer:
             time.sleep(1)
 
     def stop(self) -> None:
-        """Stopped with its whole process group, and what the group made in /dev/shm removed
-        (a force-killed engine core unlinks none of its segments)."""
+        """Stopped with every process under it, and what they made in /dev/shm removed (a
+        force-killed engine core unlinks none of its segments)."""
         if self.proc is None:
             return
         if self.shm is not None:
             self.shm.note()
+        # NOTE: taken before the server stops: its children then belong to init.
+        tree = descendants(self.proc.pid)
         stop(self.proc)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while group_pids(self.proc.pid) and time.monotonic() < deadline:
+        while any(Path(f"/proc/{pid}").exists() for pid in tree) and time.monotonic() < deadline:
             time.sleep(0.1)
         if self.shm is not None:
             self.shm.remove()

@@ -1,5 +1,5 @@
-"""A vLLM server the tests and the face-off start is stopped with its whole process group, and
-what that group made in /dev/shm (its shared-memory broadcast segments, its semaphores) goes
+"""A vLLM server the tests and the face-off start is stopped with every process under it, and
+what those made in /dev/shm (its shared-memory broadcast segments, its semaphores) goes
 with it, even when its engine core was killed and so unlinked nothing."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import signal
 
 from tests.engines.conftest import needs_vllm
-from tests.engines.sglang_harness import group_pids, shm_names
+from tests.engines.sglang_harness import descendants, shm_names
 from tests.engines.tiny_vlm import build_checkpoint
 from tests.proxy.procs import VllmServer
 
@@ -18,15 +18,15 @@ def test_a_stopped_vllm_leaves_nothing_in_dev_shm(tmp_path):
     model = build_checkpoint("qwen2_5_vl", tmp_path / "model")
     (tmp_path / "vllm").mkdir()
     vllm = VllmServer(model, tmp_path / "vllm").start()
-    pgid = vllm.proc.pid
+    tree = descendants(vllm.proc.pid)
     try:
         made = set(vllm.shm.made)
         assert any(n.startswith("psm_") for n in made), made  # what a killed core leaves
-        others = [pid for pid in group_pids(pgid) if pid != pgid]
+        others = tree[1:]
         assert others, "vLLM's engine core runs in its own process"
         for pid in others:
             os.kill(pid, signal.SIGKILL)
     finally:
         vllm.stop()
-    assert group_pids(pgid) == []
+    assert not [pid for pid in tree if os.path.exists(f"/proc/{pid}")]
     assert not made & shm_names(), made & shm_names()
