@@ -10,6 +10,7 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -57,9 +58,8 @@ LEFTOVERS = ("sglang_loads_", "sem.mp-")
 VLLM_LEFTOVERS = ("psm_", "sem.mp-")
 
 
-def group_pids(pgid: int) -> list[int]:
-    """The live processes of process group `pgid`."""
-    pids = []
+def _processes() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/pid/stat after the command name) of every live process."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -68,24 +68,19 @@ def group_pids(pgid: int) -> list[int]:
         except OSError:
             continue
         # NOTE: the command name may hold spaces and parentheses; the fields follow its last ")".
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid:
-            pids.append(int(d.name))
-    return pids
+        yield int(d.name), stat[stat.rindex(")") + 2 :].split()
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`."""
+    return [pid for pid, fields in _processes() if int(fields[2]) == pgid]
 
 
 def descendants(pid: int) -> list[int]:
     """`pid` and its live descendants (a process tree that shares its parent's group)."""
     children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(d.name))
+    for child, fields in _processes():
+        children.setdefault(int(fields[1]), []).append(child)
     found, todo = [], [pid] if Path(f"/proc/{pid}").exists() else []
     while todo:
         p = todo.pop()
