@@ -118,7 +118,7 @@ def store_reader(
     transformers), the rows' dtype in the store (`store_dtype`, the encoders' --dtype; default:
     the model's) and the store's lease (`store_lease_s`); a lookup's deadline, and how long a
     worker's load waits for the client's connect."""
-    from mmferry.models.generic import FAMILY_CHOICES, GENERIC, family_choice
+    from mmferry.models.generic import checked_family, uses_generic
     from mmferry.store.engine import LEASE_S, StoreReader, identity_for
 
     url = extra.get("store")
@@ -128,12 +128,10 @@ def store_reader(
     dtype = extra.get("store_dtype")
     if dtype is not None and dtype not in dtypes:
         raise ValueError(f"store_dtype must be one of {tuple(dtypes)}, got {dtype!r}")
-    family = extra.get("store_family", "auto")
-    if family not in FAMILY_CHOICES:
-        raise ValueError(f"store_family must be one of {FAMILY_CHOICES}, got {family!r}")
+    family = checked_family(extra.get("store_family", "auto"), "store_family")
     levels = deepstack_levels(model_config)
     folder = str(model_config.model)
-    if family == GENERIC and levels:
+    if levels and uses_generic(folder, family):
         # NOTE: `get_image_features` rows carry no deepstack levels; this model takes them.
         raise ValueError(
             f"store_family generic: {model_config.hf_config.model_type} takes {levels} deepstack "
@@ -141,7 +139,7 @@ def store_reader(
         )
     return StoreReader(
         url,
-        identity_for(str(extra.get("store_model") or folder), family_choice(family)),
+        identity_for(str(extra.get("store_model") or folder), family),
         dtype=dtypes[dtype] if dtype else model_config.dtype,
         hidden=int(model_config.get_inputs_embeds_size()),
         deepstack=levels,

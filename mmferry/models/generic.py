@@ -45,6 +45,13 @@ def family_choice(value: str) -> str | None:
     return None if value == "auto" else value
 
 
+def checked_family(value: Any, what: str) -> str | None:
+    """`family_choice` of a setting named `what`; ValueError unless one of `FAMILY_CHOICES`."""
+    if value not in FAMILY_CHOICES:
+        raise ValueError(f"{what} must be one of {FAMILY_CHOICES}, got {value!r}")
+    return family_choice(value)
+
+
 def uses_generic(model_dir: str | Path, family: str | None) -> bool:
     """Whether `model_dir` goes through the generic family: asked for, or no native spec
     (`family` None or "auto")."""
