@@ -572,13 +572,19 @@ def _sweep_signals(fn, filename: str) -> Iterator[bool]:
             return
 
 
-def test_a_signal_at_any_bytecode_of_the_write(tmp_path):
+def test_a_signal_at_any_bytecode_of_the_write(tmp_path, request):
     """Wherever SIGINT lands, no temporary file is left, the umask and the handlers are as they
     were, and the output is either untouched or complete, recorded as written exactly then."""
     from mmferry.commands import outfile
 
     out = tmp_path / "o.bin"
     new = b"the new output " * 4096
+    # NOTE: SIGINT as a command starts with it (raising KeyboardInterrupt): in the full suite
+    # an earlier test can leave it otherwise in this process (not identified; alone and beside
+    # its neighbours this test passed), and then signals outside the write are not raised.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    if inherited is not None:  # None: installed outside Python, cannot be put back
+        request.addfinalizer(lambda: signal.signal(signal.SIGINT, inherited))
     handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     umask = os.umask(0o022)
     os.umask(umask)
