@@ -178,19 +178,24 @@ class EncoderPool:
         return done
 
     async def _call(self, url: str, media: list[Media]) -> list[Any]:
-        """One call's answers per item: Encoded, None (its pixels) or _NEXT (its next choice)."""
+        """One call's answers per item: Encoded, None (its pixels) or _NEXT (its next choice);
+        the router's count of the items routed to `url` ends with it."""
+        try:
+            return await self._attempt(url, media)
+        finally:
+            for _ in media:
+                self.router.release(url)
+
+    async def _attempt(self, url: str, media: list[Media]) -> list[Any]:
         try:
             return await self._encode_on(url, media)
         except _Split:
-            one_by_one = await gather_or_cancel(self._call(url, [m]) for m in media)
+            one_by_one = await gather_or_cancel(self._attempt(url, [m]) for m in media)
             return [answer for (answer,) in one_by_one]
         except _Failed as e:
             self.metrics.encoder_failures.labels(url, e.reason).inc()
             log.warning("encoder %s failed (%s); trying the items' next choices", url, e)
             return [_NEXT] * len(media)
-        finally:
-            for _ in media:
-                self.router.release(url)
 
     async def _encode_on(self, url: str, media: list[Media]) -> list[Encoded | None]:
         r = await self._post(url, ENCODE, {"content": [m.raw for m in media]}, media)
