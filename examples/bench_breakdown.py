@@ -42,7 +42,11 @@ PROXY = (
 SERVICE = tuple(
     (f"service {s} (sum over items)", "mmferry_stage_seconds_sum", {"stage": s})
     for s in SERVICE_STAGES
-) + (("service lookups (count)", "mmferry_cache_lookups_total", {}),)
+) + (
+    ("service lookups (count)", "mmferry_cache_lookups_total", {}),
+    # vLLM's lookups of items still being encoded (the request deferred a scheduler pass)
+    ("service lookups pending (count)", "mmferry_cache_lookups_total", {"answer": "pending"}),
+)
 ENCODER_VLLM = (
     ("encoder vLLM request (sum over items)", "vllm:e2e_request_latency_seconds_sum", {}),
 )

@@ -156,16 +156,17 @@ class CacheClient:
             raise ServiceUnavailable(f"{route}: {r.status_code} {r.text[:200]}")
         return r
 
-    def lookup_pins(self, hashes: list[str]) -> list[float]:
+    def lookup_pins(self, hashes: list[str]) -> list[float | None]:
         """Seconds from when the lookup was sent that the service keeps each hash pinned for
-        this caller; 0.0 for a hash it does not hold."""
+        this caller; 0.0 for a hash it does not hold; None for one it is still encoding (it
+        answered the encode before the rows: ask again)."""
         return self._within(self.lookup_timeout_s, self._lookup, list(hashes))
 
     def lookup(self, hashes: list[str]) -> list[bool]:
         """Which hashes the service holds (and has now pinned for this caller)."""
-        return [s > 0.0 for s in self.lookup_pins(hashes)]
+        return [bool(s) for s in self.lookup_pins(hashes)]
 
-    def _lookup(self, hashes: list[str]) -> list[float]:
+    def _lookup(self, hashes: list[str]) -> list[float | None]:
         r = self._post("/v1/cache/lookup", {"hashes": hashes})
         try:
             doc = strict_json(r.content)
@@ -178,11 +179,17 @@ class CacheClient:
             raise BadAnswer(f"lookup: 'present' must be a list of {n} booleans: {r.text[:120]!r}")
         if not (isinstance(pinned, list) and len(pinned) == n):
             raise BadAnswer(f"lookup: 'pinned_s' must be a list of {n} numbers: {r.text[:120]!r}")
-        out = []
-        for p, s in zip(present, pinned):
+        # A service before answers ahead of the rows sends no "pending".
+        pending = doc.get("pending", [False] * n)
+        if not (isinstance(pending, list) and len(pending) == n):
+            raise BadAnswer(f"lookup: 'pending' must be a list of {n} booleans: {r.text[:120]!r}")
+        out: list[float | None] = []
+        for p, s, w in zip(present, pinned, pending):
             if not isinstance(p, bool) or not _number(s) or s < 0:
                 raise BadAnswer(f"lookup: bad entry present={p!r} pinned_s={s!r}")
-            out.append(float(s) if p else 0.0)
+            if not isinstance(w, bool) or (w and p):
+                raise BadAnswer(f"lookup: bad entry present={p!r} pending={w!r}")
+            out.append(None if w else float(s) if p else 0.0)
         return out
 
     def load(

@@ -5,9 +5,11 @@ The scheduler asks about a request's items together (`ask`), then answers vLLM i
 counted from when the lookup was sent), and that answer is the only clock: presence is trusted
 for half of it, so the load the plan leads to arrives while the pin still holds, and asked again
 after. Anything else (the service down, late, or answering something that is not the protocol)
-is "absent": the engine encodes the item itself and keeps serving. The table of items told
-present is bounded in size and each entry expires, so items that are never allocated (aborted
-requests) cannot grow it.
+is "absent": the engine encodes the item itself and keeps serving. An item the service says it
+is still encoding (it answered the encode before the rows) is "waiting": the scheduler defers
+its request and asks again at its next pass, for at most `wait_s` from the first such answer,
+after which the item is absent. The tables of items told present or waiting are bounded in size
+and each entry expires, so items that are never allocated (aborted requests) cannot grow them.
 """
 
 from __future__ import annotations
@@ -29,11 +31,18 @@ MIN_PIN_S = 1.0
 # slow must not cost every scheduler pass a timeout.
 RETRY_AFTER_S = 1.0
 MAX_ITEMS = 4096
+# How long an item the service is still encoding is waited for: its encode queued behind a
+# saturated tower takes seconds; one that takes longer than this is given up (absent).
+WAIT_S = 30.0
+# An item still being encoded is asked about again no sooner than this: the scheduler passes
+# every millisecond or so while a request waits, and a lookup per pass would take CPU from the
+# very encode it waits for where the two share cores.
+POLL_S = 0.002
 
 
 class Presence:
-    """The scheduler side of an encoder-cache connector: `has` per item, `claim` when vLLM
-    allocates it, `end_pass` when the step's plan is built. Never raises."""
+    """The scheduler side of an encoder-cache connector: `has` per item (and `waiting`),
+    `claim` when vLLM allocates it, `end_pass` when the step's plan is built. Never raises."""
 
     def __init__(
         self,
@@ -41,12 +50,20 @@ class Presence:
         *,
         max_items: int = MAX_ITEMS,
         retry_after_s: float = RETRY_AFTER_S,
+        wait_s: float = WAIT_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
         self.max_items = max_items
         self.retry_after_s = retry_after_s
+        self.wait_s = wait_s
         self._clock = clock
+        # identifier -> when the service first said it was still encoding it, oldest first,
+        # and when it said so last.
+        self._pending_since: OrderedDict[str, float] = OrderedDict()
+        self._pending_told: dict[str, float] = {}
+        # Answered "still encoding" in this pass: not asked again before the next.
+        self._waiting: set[str] = set()
         # identifier -> until when "present" holds (monotonic seconds), oldest first.
         self._trusted: OrderedDict[str, float] = OrderedDict()
         # Answered "present" in this scheduler pass: the alloc that follows must plan a load
@@ -65,6 +82,11 @@ class Presence:
         self.ask([identifier])
         return identifier in self._claimed
 
+    def waiting(self, identifier: str) -> bool:
+        """Whether the service said in this pass that it is still encoding `identifier` (and
+        it has not been waited for longer than `wait_s`): its request is to be deferred."""
+        return identifier in self._waiting
+
     def ask(self, identifiers: list[str]) -> None:
         """Ask the service about every item of `identifiers` not already answered in this
         pass or trusted, in one lookup; `has` then answers from what it said. A request's
@@ -79,8 +101,14 @@ class Presence:
                 self._claimed.add(identifier)
                 continue
             self._trusted.pop(identifier, None)
-            if identifier not in self._claimed and identifier not in self._absent:
-                unknown.append(identifier)
+            answered = self._claimed, self._absent, self._waiting
+            if any(identifier in a for a in answered):
+                continue
+            told = self._pending_told.get(identifier)
+            if told is not None and now - told < POLL_S:
+                self._waiting.add(identifier)  # said pending a moment ago
+                continue
+            unknown.append(identifier)
         if not unknown or now < self._quiet_until:
             return
         sent = self._clock()
@@ -103,11 +131,31 @@ class Presence:
             log.warning("mmferry service %s answers again", self.client.url)
             self._down = False
         for identifier, pinned in zip(unknown, pins):
-            if pinned < MIN_PIN_S:
+            if pinned is None and self._still_waiting(identifier, sent):
+                self._waiting.add(identifier)
+                self._pending_told[identifier] = sent
+                continue
+            self._pending_since.pop(identifier, None)
+            self._pending_told.pop(identifier, None)
+            if pinned is None or pinned < MIN_PIN_S:
                 self._absent.add(identifier)
                 continue
             self._remember(identifier, sent + pinned * TRUST_SHARE)
             self._claimed.add(identifier)
+
+    def _still_waiting(self, identifier: str, now: float) -> bool:
+        """Whether an item the service is still encoding is worth waiting for: within `wait_s`
+        of the first such answer."""
+        since = self._pending_since.setdefault(identifier, now)
+        if now - since < self.wait_s:
+            return True
+        log.warning(
+            "mmferry service %s still encodes %s after %g s; given up (absent)",
+            self.client.url,
+            identifier,
+            self.wait_s,
+        )
+        return False
 
     def claim(self, identifier: str) -> bool:
         """vLLM allocated `identifier`: whether it is to be loaded (answered present in this
@@ -120,6 +168,7 @@ class Presence:
         "absent" answers are asked again."""
         self._claimed.clear()
         self._absent.clear()
+        self._waiting.clear()
 
     def _remember(self, identifier: str, until: float) -> None:
         self._trusted.pop(identifier, None)
@@ -128,6 +177,13 @@ class Presence:
             self._trusted.popitem(last=False)
 
     def _expire(self, now: float) -> None:
+        # Items waited for past twice `wait_s` are no request's any more (aborted ones).
+        while self._pending_since:
+            identifier, since = next(iter(self._pending_since.items()))
+            if now - since < 2 * self.wait_s and len(self._pending_since) <= self.max_items:
+                break
+            del self._pending_since[identifier]
+            self._pending_told.pop(identifier, None)
         # NOTE: entries are in the order they were told; a later one may end sooner, and
         # stays until it reaches the front or the size bound pushes it out (`has` checks it).
         while self._trusted:

@@ -12,7 +12,10 @@ and workers) and says for how long; the worker
 then loads all of a step's items in one request (`/v1/cache/load`: shared-memory handles when
 the service is on this host, safetensors otherwise, and safetensors again when a handle does not
 open), checks each item's rows against what the model takes (`[planned tokens, hidden * (1 +
-deepstack levels)]` in the model's dtype) and copies them once onto its device. An item the
+deepstack levels)]` in the model's dtype) and copies them once onto its device. A request whose
+item a service is still encoding (`mmferry proxy` forwards a request once its items are
+preprocessed, and the tower runs meanwhile) is deferred to a later step, for at most
+`timeout_s` from the first such answer. An item the
 service lacks, and any lookup that fails (service down or restarting, late, or answering
 something else than the protocol), is reported absent, and vLLM encodes that item itself, so
 such a request must carry pixels too. A request that carries only an item's grid (no pixels
@@ -24,7 +27,8 @@ step naming the items: vLLM (0.32) gives a consumer no way to have them encoded 
 Extra config: `url` (or `urls`, several services, as `mmferry proxy --encoder` lists them: each
 item is asked for in the order rendezvous hashing of its routing key ranks them, `mmferry.proxy`'s
 `Router`, the next one when one is down or lacks it), optional `api_key` (or MMFERRY_API_KEY),
-`transport` ("auto" | "shm" | "http" | "mooncake"), `timeout_s` (a worker's load, 30),
+`transport` ("auto" | "shm" | "http" | "mooncake"), `timeout_s` (a worker's load, and the
+wait for an item a service is still encoding, 30),
 `lookup_timeout_s` (a scheduler's lookup, 1). With "mooncake" (and `store`: the
 `mooncake://` address the encoders publish to), items are also looked for in the store, where
 the existence check leases them, and read from it straight into a registered buffer, whichever
@@ -203,7 +207,7 @@ class MmferryECConnector(ECConnectorBase):
                 lookup_timeout_s=lookup_timeout_s,
             )
             self._clients[url] = client
-            self._presences[url] = Presence(client)
+            self._presences[url] = Presence(client, wait_s=self._timeout_s)
         self._asking = ThreadPoolExecutor(len(self._router.urls), "mmferry-lookup")
         self._owners: dict[str, str] = {}  # identifier -> the service that answered present
         self._planned: dict[str, str] = {}  # identifier -> the service its load goes to
@@ -226,8 +230,9 @@ class MmferryECConnector(ECConnectorBase):
     # -- scheduler side -------------------------------------------------------------------
 
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
-        """Called before vLLM schedules `request`: False (and the request failed at the end of
-        the step) when an item it still needs carries no pixels and no service holds it."""
+        """Called before vLLM schedules `request`: False when an item it still needs carries
+        no pixels and is not held yet: deferred to a later step while its service is still
+        encoding it, else failed at the end of the step (no service holds it)."""
         needed = [
             f.identifier
             for f in request.mm_features
@@ -235,8 +240,12 @@ class MmferryECConnector(ECConnectorBase):
             and not encodable(f)
         ]
         self._ask(needed)
+        deferred = False
         for identifier in needed:
             if self.has_cache_item(identifier):
+                continue
+            if self._waiting(identifier):
+                deferred = True
                 continue
             if request.request_id not in self._unavailable:
                 log.warning(
@@ -247,7 +256,12 @@ class MmferryECConnector(ECConnectorBase):
                 )
             self._unavailable.add(request.request_id)
             return False
-        return True
+        return not deferred
+
+    def _waiting(self, identifier: str) -> bool:
+        """Whether a service of the item said in this pass that it is still encoding it."""
+        item, key = split_identifier(identifier)
+        return any(self._presences[url].waiting(item) for url in self._router.choices(key))
 
     def _ask(self, identifiers: list[str]) -> None:
         """A request's items asked of their first-choice services (and the store) together,
@@ -280,9 +294,12 @@ class MmferryECConnector(ECConnectorBase):
         if self._store_presence is not None and self._store_presence.has(item):
             return True
         for url in self._router.choices(key):
-            if self._presences[url].has(item):
+            presence = self._presences[url]
+            if presence.has(item):
                 self._owners[identifier] = url
                 return True
+            if presence.waiting(item):
+                return False  # its encoder has it in hand: the others are not asked
         return False
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:

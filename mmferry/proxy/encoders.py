@@ -2,7 +2,12 @@
 failing over to each item's next choices.
 
 The items routed to one encoder go to it in one `/v1/cache/encode` call (one round trip, one
-batch in its tower), and in embeds mode their rows come back in one load. An encoder that
+batch in its tower), and in embeds mode their rows come back in one load. In connector mode the
+call asks for the answer ahead of the rows (`"wait": false`): the encoder answers once the items
+are preprocessed and encodes behind the answer, while the engine reads the request; the engine's
+connector waits for the rows, and an encode that fails there fails the engine's request before
+its output, which the proxy then sends again with pixels (items that cannot go as pixels wait
+for their rows). An encoder that
 refuses the connection, times out (or answers 408), is overloaded (429) or answers 5xx is
 marked down and the call's items go to their next choices; it is not probed again before the
 Retry-After it answered has passed. A background task probes down encoders' `/health` (with
@@ -26,7 +31,7 @@ from typing import Any
 
 from mmferry.proxy.answers import BadEncoderAnswer, encode_facts, loaded_rows
 from mmferry.proxy.config import ProxyConfig
-from mmferry.proxy.media import Encoded, Media, client_error, names_a_part
+from mmferry.proxy.media import Encoded, Media, as_pixels, client_error, names_a_part
 from mmferry.proxy.metrics import ProxyMetrics
 from mmferry.routing import Router
 from mmferry.server.limits import RequestError
@@ -152,6 +157,11 @@ class EncoderPool:
         send its pixels. The items routed to one encoder go to it in one call; those of a call
         that failed go to their next choices. RequestError when an encoder refused an item
         itself (the first refusal cancels the other calls)."""
+        # Connector mode: answers ahead of the rows, when the whole request could follow as
+        # pixels (the engine's failure of an encode that failed behind its answer is caught by
+        # sending it again with pixels); otherwise each call waits for its rows, and a failing
+        # encoder passes its items to their next choices.
+        early = self.config.mode == "connector" and as_pixels(media)
         done: list[Encoded | None] = [None] * len(media)
         tried: list[list[str]] = [[] for _ in media]
         pending = list(range(len(media)))
@@ -166,7 +176,7 @@ class EncoderPool:
                 self.router.acquire(url)  # counted before the next item is routed
                 calls.setdefault(url, []).append(i)
             results = await gather_or_cancel(
-                self._call(url, [media[i] for i in idx]) for url, idx in calls.items()
+                self._call(url, [media[i] for i in idx], early) for url, idx in calls.items()
             )
             pending = []
             for idx, result in zip(calls.values(), results):
@@ -177,28 +187,33 @@ class EncoderPool:
                         done[i] = answer
         return done
 
-    async def _call(self, url: str, media: list[Media]) -> list[Any]:
+    async def _call(self, url: str, media: list[Media], early: bool) -> list[Any]:
         """One call's answers per item: Encoded, None (its pixels) or _NEXT (its next choice);
         the router's count of the items routed to `url` ends with it."""
         try:
-            return await self._attempt(url, media)
+            return await self._attempt(url, media, early)
         finally:
             for _ in media:
                 self.router.release(url)
 
-    async def _attempt(self, url: str, media: list[Media]) -> list[Any]:
+    async def _attempt(self, url: str, media: list[Media], early: bool) -> list[Any]:
         try:
-            return await self._encode_on(url, media)
+            return await self._encode_on(url, media, early)
         except _Split:
-            one_by_one = await gather_or_cancel(self._attempt(url, [m]) for m in media)
+            one_by_one = await gather_or_cancel(self._attempt(url, [m], early) for m in media)
             return [answer for (answer,) in one_by_one]
         except _Failed as e:
             self.metrics.encoder_failures.labels(url, e.reason).inc()
             log.warning("encoder %s failed (%s); trying the items' next choices", url, e)
             return [_NEXT] * len(media)
 
-    async def _encode_on(self, url: str, media: list[Media]) -> list[Encoded | None]:
-        r = await self._post(url, ENCODE, {"content": [m.raw for m in media]}, media)
+    async def _encode_on(self, url: str, media: list[Media], early: bool) -> list[Encoded | None]:
+        body: dict[str, Any] = {"content": [m.raw for m in media]}
+        if early:
+            # The answer comes once the items are preprocessed; the engine reads the request
+            # while the tower runs, and its connector waits for the rows (pending lookups).
+            body["wait"] = False
+        r = await self._post(url, ENCODE, body, media)
         try:
             facts = encode_facts(r.content, [m.modality for m in media])
         except BadEncoderAnswer as e:

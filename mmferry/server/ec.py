@@ -14,7 +14,13 @@ when it sent the lookup. An absent entry is simply reported absent, and the engi
 that item itself. `POST /v1/cache/encode` encodes parts like `/v1/encode` but answers only each
 item's facts (hash, grid, tokens, video timing) and pins the items for the engine that will ask;
 `held` false means the service could not keep an item's rows (larger than the cache, and the
-pins' budget full): send that item's pixels to the engine instead.
+pins' budget full): send that item's pixels to the engine instead. With `"wait": false` it
+answers as soon as every item is preprocessed (its hash, grid and token count known) and encodes
+behind the answer, so that the engine reads the request while the tower runs: a lookup of an item
+still being encoded answers `pending` (ask again), then present once its rows are held, or absent
+if its encode failed. The items still count in `--max-queue` and the drain until encoded. A
+service that serves its model through the generic family (the engine plans such items from their
+pixels) waits anyway.
 
 Every route reads its request through `intake.py`, as /v1/encode does (API key, content type,
 body limit and deadline, the drain, the same errors); a malformed field is a 422. The caller is
@@ -23,19 +29,23 @@ from a connector's scheduler and worker), else the client's address.
 
 Bodies:
     lookup  {"hashes": [h, ...]}
-            -> {"present": [bool, ...], "pinned_s": [seconds left, 0.0 when absent, ...]}
+            -> {"present": [bool, ...], "pinned_s": [seconds left, 0.0 when absent, ...],
+                "pending": [bool: absent now, being encoded: ask again, ...]}
     load    {"hashes": [h, ...], "dtype": "float32", "response": "safetensors" | "shm"}
             -> safetensors with one tensor per hash (`[tokens, out * (1 + levels)]`, i.e.
                `[main | ds0 | ds1 ...]`), or {"items": {h: shm handle}}; 404 naming what is gone;
                the caller's pins on them are released
-    encode  as /v1/encode                               -> {"items": [facts, ...]}
+    encode  as /v1/encode, and "wait": bool (true)      -> {"items": [facts, ...]}
             facts: modality, hash, grid_thw, num_tokens, timestamps, second_per_grid_t, held
 """
 
 from __future__ import annotations
 
+import asyncio
 import heapq
+import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +59,7 @@ from mmferry.server.intake import Intake
 from mmferry.server.limits import RequestError
 from mmferry.server.service import DTYPES, RESPONSES
 
+log = logging.getLogger("mmferry.server")
 PIN_TTL_S = 60.0
 MAX_HASHES = 256  # per lookup or load request
 HASH_CHARS = 128
@@ -106,6 +117,8 @@ class Pins:
         self.max_pins = max_pins
         self._held: dict[str, _Held] = {}
         self._count = 0
+        # Items answered before their rows (`"wait": false`): encode calls still running per key.
+        self._encoding: Counter[str] = Counter()
         # (deadline, key, caller), oldest first; entries of released pins are skipped.
         self._deadlines: list[tuple[float, str, str]] = []
 
@@ -221,6 +234,21 @@ class Pins:
                 self._release(key, HANDOVER)
         return answer
 
+    def begin_encoding(self, keys: list[str]) -> None:
+        """`keys` are being encoded behind an answer already given: lookups say "pending"."""
+        self._encoding.update(keys)
+
+    def end_encoding(self, keys: list[str]) -> None:
+        """Their encode ended (rows held, or failed): lookups answer present or absent again."""
+        self._encoding.subtract(keys)
+        for key in keys:
+            if self._encoding[key] <= 0:
+                del self._encoding[key]
+
+    def pending(self, key: str) -> bool:
+        """Whether `key` is still being encoded behind an answer already given."""
+        return self._encoding[key] > 0 if key in self._encoding else False
+
     def hold(self, key: str, out: VisionOutput, now: float | None = None) -> bool:
         """Pin freshly encoded rows for the engine that will ask; whether the service holds
         them (cached or pinned) for a later load."""
@@ -299,14 +327,21 @@ def facts(item: Any) -> dict[str, Any]:
     }
 
 
-async def encode_items(service: Any, body: Any, local: bool) -> tuple[list[Any], list[Any]]:
-    """The parts of a /v1/encode body, preprocessed and encoded through the service's batcher
-    and cache: (items, outputs), with no response built (the rows stay in the service)."""
+async def prepare_items(service: Any, body: Any, local: bool) -> list[Any]:
+    """The parts of a /v1/cache/encode body, preprocessed (not encoded yet)."""
     if isinstance(body, dict):
-        # The rows stay here (the connector loads them), so the answer's form is not asked.
-        body = {k: v for k, v in body.items() if k != "response"}
+        # The rows stay here (the connector loads them), so the answer's form is not asked;
+        # `wait` is this route's own.
+        body = {k: v for k, v in body.items() if k not in ("response", "wait")}
     items, _, _ = await service.prepare(body, local=local)
-    return items, await service.batcher.encode(items)
+    return items
+
+
+def _wait(body: Any) -> bool:
+    wait = body.get("wait", True) if isinstance(body, dict) else True
+    if not isinstance(wait, bool):
+        raise RequestError(422, "bad_request", "'wait' must be true or false")
+    return wait
 
 
 def _choice(body: dict[str, Any], name: str, default: str, allowed: Any) -> str:
@@ -328,10 +363,16 @@ def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
     async def lookup(request: Any, body: Any) -> Any:
         hashes = _hashes(body)
         left = pins.lookup(hashes, caller_of(request))
+        pending = [s <= 0 and pins.pending(h) for h, s in zip(hashes, left)]
         present = sum(s > 0 for s in left)
         service.metrics.lookups.labels("present").inc(present)
-        service.metrics.lookups.labels("absent").inc(len(left) - present)
-        return {"present": [s > 0 for s in left], "pinned_s": [round(s, 3) for s in left]}
+        service.metrics.lookups.labels("pending").inc(sum(pending))
+        service.metrics.lookups.labels("absent").inc(len(left) - present - sum(pending))
+        return {
+            "present": [s > 0 for s in left],
+            "pinned_s": [round(s, 3) for s in left],
+            "pending": pending,
+        }
 
     async def load(request: Any, body: Any) -> Any:
         hashes = _hashes(body)
@@ -354,12 +395,46 @@ def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
 
         return Response(save(rows), media_type="application/vnd.mmferry.safetensors")
 
+    behind: set[asyncio.Task] = set()  # encodes answered before their rows
+
     async def encode(request: Any, body: Any) -> Any:
         local = request.client is not None and request.client.host in LOCAL_HOSTS
-        items, outs = await encode_items(service, body, local)
+        wait = _wait(body)
+        items = await prepare_items(service, body, local)
+        if not wait and not any(getattr(it, "engine_needs_pixels", False) for it in items):
+            encode_behind(items)
+            with service.metrics.stage("respond"):
+                return {"items": [{**facts(it), "held": True} for it in items]}
+        outs = await service.batcher.encode(items)
         with service.metrics.stage("respond"):
             held = {it.hash: pins.hold(it.hash, out) for it, out in zip(items, outs)}
             return {"items": [{**facts(it), "held": held[it.hash]} for it in items]}
+
+    def encode_behind(items: list[Any]) -> None:
+        """Encode `items` after their answer: pending to lookups until their rows are held (or
+        the encode failed), counted in the queue and the drain until then."""
+        keys = [it.hash for it in items]
+        pins.begin_encoding(keys)
+        state = intake.state
+        state.in_flight += 1
+        intake.metrics.in_flight.set(state.in_flight)
+
+        async def run() -> None:
+            try:
+                outs = await service.batcher.encode(items)
+                for it, out in zip(items, outs):
+                    pins.hold(it.hash, out)
+            except Exception as e:  # noqa: BLE001 - no client waits: lookups say absent
+                log.warning("encoding %d items behind their answer failed: %s", len(items), e)
+            finally:
+                # NOTE: no await between the hold and this: a lookup sees pending or held.
+                pins.end_encoding(keys)
+                state.in_flight -= 1
+                intake.metrics.in_flight.set(state.in_flight)
+
+        task = asyncio.ensure_future(run())
+        behind.add(task)
+        task.add_done_callback(behind.discard)
 
     app.post("/v1/cache/lookup")(intake.route(lookup))
     app.post("/v1/cache/load")(intake.route(load))

@@ -73,7 +73,7 @@ class Metrics(Staged):
         self.encoded_items = Counter("mmferry_encoded_items", "items encoded", registry=r)
         self.lookups = Counter(
             "mmferry_cache_lookups",
-            "items engines' connectors looked up, by answer (present or absent)",
+            "items engines' connectors looked up, by answer (present, pending or absent)",
             ["answer"],
             registry=r,
         )

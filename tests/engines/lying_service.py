@@ -58,6 +58,17 @@ def present(pinned_s: float = 60.0) -> Responder:
     )
 
 
+def pending() -> Responder:
+    """Every asked hash still being encoded (the encode answered ahead of the rows)."""
+    return lambda body: js(
+        {
+            "present": [False] * len(body["hashes"]),
+            "pinned_s": [0.0] * len(body["hashes"]),
+            "pending": [True] * len(body["hashes"]),
+        }
+    )
+
+
 SLOW_S = 4.0  # how late the late answers are (the trickled one, byte by byte)
 # Every form of a bad lookup answer for one hash; each must read as "absent".
 BAD_LOOKUPS = {
@@ -78,6 +89,12 @@ BAD_LOOKUPS = {
     "pinned_s_negative": js({"present": [True], "pinned_s": [-5.0]}),
     "pinned_s_nan": raw('{"present": [true], "pinned_s": [NaN]}'),
     "pinned_s_infinite": raw('{"present": [true], "pinned_s": [Infinity]}'),
+    "pending_is_a_string": js({"present": [False], "pinned_s": [0.0], "pending": ["yes"]}),
+    "pending_not_a_list": js({"present": [False], "pinned_s": [0.0], "pending": True}),
+    "two_pendings_for_one_hash": js(
+        {"present": [False], "pinned_s": [0.0], "pending": [True, True]}
+    ),
+    "present_and_pending": js({"present": [True], "pinned_s": [60.0], "pending": [True]}),
     "duplicate_keys": raw('{"present": [false], "present": [true], "pinned_s": [60]}'),
     "status_500": js({"error": "boom"}, status=500),
     "status_503": js({"error": "draining"}, status=503),

@@ -26,6 +26,7 @@ from tests.engines.lying_service import (
     handle_json,
     html,
     js,
+    pending,
     present,
     raw,
     rows,
@@ -128,6 +129,56 @@ def test_presence_is_trusted_for_half_the_pin_the_service_reports(lying):
         clock.t += 20.0
         assert presence.has("h") is False and len(lying.calls("lookup")) == 3
         assert presence.claim("h") is False
+    finally:
+        client.close()
+
+
+def test_an_item_still_being_encoded_is_waited_for_then_believed(lying):
+    """A pending answer (the encode answered ahead of the rows) is "waiting", neither present
+    nor absent: asked once per pass, again at the next pass, and present once the service
+    holds the rows."""
+    clock = Clock()
+    lying.answer("lookup", pending())
+    client = client_for(lying.url)
+    presence = Presence(client, clock=clock, wait_s=5.0)
+    try:
+        assert presence.has("h") is False and presence.waiting("h")
+        assert presence.has("h") is False and len(lying.calls("lookup")) == 1
+        assert presence.claim("h") is False
+        presence.end_pass()
+        assert not presence.waiting("h")  # a new pass: not known until asked
+        clock.t += 4.0
+        assert presence.has("h") is False and presence.waiting("h")
+        assert len(lying.calls("lookup")) == 2
+        presence.end_pass()
+        lying.answer("lookup", present(60.0))
+        # Said pending a moment ago (the scheduler passes every millisecond): not asked yet.
+        assert presence.has("h") is False and presence.waiting("h")
+        assert len(lying.calls("lookup")) == 2
+        presence.end_pass()
+        clock.t += 0.01
+        assert presence.has("h") and not presence.waiting("h")
+        assert presence.claim("h") is True
+    finally:
+        client.close()
+
+
+def test_an_item_pending_past_its_wait_is_absent(lying):
+    """An item the service keeps saying it encodes is given up `wait_s` after the first such
+    answer (its request fails, or vLLM encodes it), and its wait is not kept past that."""
+    clock = Clock()
+    lying.answer("lookup", pending())
+    client = client_for(lying.url)
+    presence = Presence(client, clock=clock, wait_s=5.0)
+    try:
+        assert presence.waiting("h") is False and presence.has("h") is False
+        assert presence.waiting("h")
+        presence.end_pass()
+        clock.t += 5.1
+        assert presence.has("h") is False and not presence.waiting("h")
+        assert presence.claim("h") is False
+        # Another item's wait is its own.
+        assert presence.has("g") is False and presence.waiting("g")
     finally:
         client.close()
 

@@ -331,6 +331,51 @@ def test_failover_to_other_encoders_and_to_vllm(stack, proxies, mode):
 
 
 @only_qwen2_5
+def test_vllm_waits_for_rows_its_encoder_is_still_encoding(stack, proxies):
+    """Connector mode: the encoder answers once the item is preprocessed and encodes behind
+    the answer (its tower held back here by a 3 s batch wait), so vLLM reads the request first;
+    its connector finds the item pending, vLLM defers the request (no failure, no pixels sent
+    again) and runs it once the rows are held: the same tokens as vLLM given the pixels."""
+
+    from tests.proxy.procs import Proc
+
+    urls = [e.url for e in stack.encoders]
+    k = 2
+    slow_url = urls[k]
+    f = stack.factor
+    seed = next(
+        s
+        for s in range(900, 1000)
+        if first_choice(urls, image_part(image(2 * f, 2 * f, s))) == slow_url
+    )
+    content = [image_part(image(2 * f, 2 * f, seed)), TEXT]
+    want = reference(stack, content)
+    original = stack.encoders[k]
+    original.stop()
+    slow = Proc([*original.args, "--batch-wait-ms", "3000"]).start()
+    assert slow.url == slow_url
+    try:
+        url = proxies["connector"].url
+        # An earlier test's kills may have left the proxy counting this URL down: its probe
+        # brings it back.
+        deadline = time.monotonic() + 30
+        while scrape(url, "mmferry_proxy_encoder_up", encoder=slow_url) != 1:
+            assert time.monotonic() < deadline, "the proxy does not count the encoder up"
+            time.sleep(0.2)
+        fallback = scrape(url, "mmferry_proxy_items_fallback_total")
+        started = time.monotonic()
+        chat(url, stack.model, content).same_as(want)
+        assert time.monotonic() - started >= 3.0  # the rows were waited for
+        assert scrape(slow.url, "mmferry_cache_lookups_total", answer="pending") > 0
+        assert scrape(slow.url, "mmferry_cache_lookups_total", answer="present") == 1
+        assert scrape(url, "mmferry_proxy_items_fallback_total") == fallback
+        assert scrape(slow.url, "mmferry_encoded_items_total") == 1
+    finally:
+        slow.stop()
+        original.start()
+
+
+@only_qwen2_5
 def test_items_vllm_cannot_find_are_sent_again_as_pixels(stack):
     """Connector mode: an encoder says it holds each item, but vLLM's connector finds them on
     no encoder (the one that held them died or dropped them between the encode and vLLM's

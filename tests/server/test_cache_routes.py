@@ -78,8 +78,9 @@ def _fuzzed() -> Iterator[tuple[str, tuple, Any, Any]]:
         ],
         "encode": [
             (
-                {"content": [_image()], "layout": "compact", "dtype": "float32"},
+                {"content": [_image()], "layout": "compact", "dtype": "float32", "wait": False},
                 [
+                    ("wait",),
                     ("content",),
                     ("content", 0),
                     ("content", 0, "type"),
@@ -210,7 +211,7 @@ def test_cache_encode_says_when_it_could_not_hold_the_rows():
         r = httpx.post(
             f"{server.url}/v1/cache/lookup", json={"hashes": [items[0]["hash"]]}, timeout=30
         )
-        assert r.json() == {"present": [False], "pinned_s": [0.0]}
+        assert r.json() == {"present": [False], "pinned_s": [0.0], "pending": [False]}
     finally:
         server.stop()
 
