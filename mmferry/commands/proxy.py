@@ -43,6 +43,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", choices=DTYPES, default="bfloat16", help="embeds mode: the engine's dtype"
     )
+    p.add_argument(
+        "--encode-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="connector mode: the encoders answer once the items are preprocessed and the "
+        "engine reads the request while their towers run (its connector waits for the rows); "
+        "--no-encode-ahead forwards the request only once the rows are held",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this host only)")
     p.add_argument("--port", type=port, default=8080, help="0 picks a free port (printed)")
     p.add_argument(
@@ -138,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
             llm_url=args.llm,
             encoder_urls=tuple(args.encoder),
             mode=args.mode,
+            encode_ahead=args.encode_ahead,
             dtype=args.dtype,
             limits=Limits(
                 max_request_bytes=args.limit_request_bytes,

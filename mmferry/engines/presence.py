@@ -34,10 +34,12 @@ MAX_ITEMS = 4096
 # How long an item the service is still encoding is waited for: its encode queued behind a
 # saturated tower takes seconds; one that takes longer than this is given up (absent).
 WAIT_S = 30.0
-# An item still being encoded is asked about again no sooner than this: the scheduler passes
-# every millisecond or so while a request waits, and a lookup per pass would take CPU from the
-# very encode it waits for where the two share cores.
+# An item still being encoded is asked about again no sooner than this, the gap doubling with
+# each pending answer up to POLL_MAX_S: the scheduler passes every millisecond or so while a
+# request waits, and a lookup per pass would take CPU from the very encode it waits for where
+# the two share cores; a short encode is still seen within a few ms.
 POLL_S = 0.002
+POLL_MAX_S = 0.016
 
 
 class Presence:
@@ -59,9 +61,9 @@ class Presence:
         self.wait_s = wait_s
         self._clock = clock
         # identifier -> when the service first said it was still encoding it, oldest first,
-        # and when it said so last.
+        # and (when to ask again, the gap after that) from its last such answer.
         self._pending_since: OrderedDict[str, float] = OrderedDict()
-        self._pending_told: dict[str, float] = {}
+        self._pending_told: dict[str, tuple[float, float]] = {}
         # Answered "still encoding" in this pass: not asked again before the next.
         self._waiting: set[str] = set()
         # identifier -> until when "present" holds (monotonic seconds), oldest first.
@@ -105,7 +107,7 @@ class Presence:
             if any(identifier in a for a in answered):
                 continue
             told = self._pending_told.get(identifier)
-            if told is not None and now - told < POLL_S:
+            if told is not None and now < told[0]:
                 self._waiting.add(identifier)  # said pending a moment ago
                 continue
             unknown.append(identifier)
@@ -133,7 +135,9 @@ class Presence:
         for identifier, pinned in zip(unknown, pins):
             if pinned is None and self._still_waiting(identifier, sent):
                 self._waiting.add(identifier)
-                self._pending_told[identifier] = sent
+                gap = self._pending_told.get(identifier, (0.0, POLL_S / 2))[1] * 2
+                gap = min(gap, POLL_MAX_S)
+                self._pending_told[identifier] = (sent + gap, gap)
                 continue
             self._pending_since.pop(identifier, None)
             self._pending_told.pop(identifier, None)

@@ -19,6 +19,9 @@ class ProxyConfig:
     encoder_urls: tuple[str, ...]
     # connector: grid-and-uuid parts, rows go encoder -> engine; embeds: rows through the proxy.
     mode: str = "connector"
+    # Connector mode: ask the encoders to answer once the items are preprocessed and encode
+    # behind the answer, so the engine reads the request while the tower runs.
+    encode_ahead: bool = True
     # Embeds mode: the dtype of the rows handed to the engine (its model dtype).
     dtype: str = "bfloat16"
     limits: Limits = field(default_factory=Limits)

@@ -161,7 +161,7 @@ class EncoderPool:
         # pixels (the engine's failure of an encode that failed behind its answer is caught by
         # sending it again with pixels); otherwise each call waits for its rows, and a failing
         # encoder passes its items to their next choices.
-        early = self.config.mode == "connector" and as_pixels(media)
+        early = self.config.mode == "connector" and self.config.encode_ahead and as_pixels(media)
         done: list[Encoded | None] = [None] * len(media)
         tried: list[list[str]] = [[] for _ in media]
         pending = list(range(len(media)))

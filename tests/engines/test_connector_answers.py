@@ -163,6 +163,28 @@ def test_an_item_still_being_encoded_is_waited_for_then_believed(lying):
         client.close()
 
 
+def test_an_item_still_being_encoded_is_asked_about_ever_less_often(lying):
+    """The scheduler passes every millisecond while a request waits: an item still being
+    encoded is asked about again after 2 ms, the gap doubling to at most 16 ms (not once a
+    pass, which would take the encoder's CPU where the two share cores)."""
+    from mmferry.engines.presence import POLL_MAX_S
+
+    clock = Clock()
+    lying.answer("lookup", pending())
+    client = client_for(lying.url)
+    presence = Presence(client, clock=clock, wait_s=5.0)
+    try:
+        for _ in range(200):  # 200 ms of passes
+            assert presence.has("h") is False and presence.waiting("h")
+            presence.end_pass()
+            clock.t += 0.001
+        asked = len(lying.calls("lookup"))
+        # 2, 4, 8 ms, then every 16 ms: about 15 lookups in 200 ms, not 200.
+        assert 10 <= asked <= 3 + 0.2 / POLL_MAX_S + 1, asked
+    finally:
+        client.close()
+
+
 def test_an_item_pending_past_its_wait_is_absent(lying):
     """An item the service keeps saying it encodes is given up `wait_s` after the first such
     answer (its request fails, or vLLM encodes it), and its wait is not kept past that."""
