@@ -6,8 +6,9 @@
 Starts every process itself, on loopback (examples/bench_setups.py): (a) a plain vLLM with pixels,
 (b) vLLM's encoder disaggregation (two encoder-only vLLMs, a PD vLLM, ECExampleConnector, the
 front of vLLM's example), (c) two `mmferry serve` encoders, a vLLM with MmferryECConnector and
-`mmferry proxy --mode connector`, (cw) the same with `--no-encode-ahead` (the request forwarded
-only once its rows are held), (c') the same in embeds mode; `--setups` picks some. The
+`mmferry proxy --mode connector`, (ca) the same with `--encode-ahead` (the request forwarded once
+its items are preprocessed, the towers running meanwhile), (c') the same in embeds mode;
+`--setups` picks some. The
 checkpoint: the tests' tiny Qwen2.5-VL (encoding almost free: the figures are what the path
 costs), "heavy" (the same with a deeper, wider tower: encoding a visible part of TTFT), or a
 folder. Before timing, one greedy request with images goes to every set-up: the same tokens, or

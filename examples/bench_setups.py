@@ -6,8 +6,9 @@
         the front of vLLM's example (mmferry/bench/_vllm_epd.py)
     c   mmferry, connector mode: two `mmferry serve` encoders, a vLLM with MmferryECConnector,
         `mmferry proxy --mode connector`
-    cw  the same, the proxy forwarding a request only once its rows are held
-        (`--no-encode-ahead`; (c) forwards it once its items are preprocessed)
+    ca  the same with `mmferry proxy --encode-ahead`: the encoders answer once the items are
+        preprocessed, and vLLM reads the request while the towers run ((c) forwards a
+        request once its rows are held)
     c'  mmferry, embeds mode: two more encoders, a vLLM without a connector, `mmferry proxy
         --mode embeds` (the rows travel through the proxy)
 
@@ -43,7 +44,7 @@ SETUPS = {
     "a": "plain vLLM (pixels)",
     "b": "vLLM EPD (ECExampleConnector)",
     "c": "mmferry, connector mode",
-    "cw": "mmferry, connector mode, --no-encode-ahead",
+    "ca": "mmferry, connector mode, --encode-ahead",
     "c'": "mmferry, embeds mode",
 }
 ENCODERS = 2  # per disaggregated set-up
@@ -181,14 +182,14 @@ def start_setup(key: str, model: Path, work: Path, procs: list) -> Setup:
         start([front], procs)
         counts = lambda: epd_counts(front, folder)  # noqa: E731
         return Setup(key, front.url, [*mine, pd, front], mine, pd, counts)
-    mode = {"c": "connector", "cw": "connector", "c'": "embeds"}[key]
+    mode = {"c": "connector", "ca": "connector", "c'": "embeds"}[key]
     ports = [free_port() for _ in range(ENCODERS)]
     encs = [encoder(model, port) for port in ports]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     (work / "llm").mkdir()
     llm = VllmServer(model, work / "llm", {"urls": urls} if mode == "connector" else None)
     start([*encs, llm], procs)
-    front = proxy(llm.url, urls, mode, *(["--no-encode-ahead"] if key == "cw" else []))
+    front = proxy(llm.url, urls, mode, *(["--encode-ahead"] if key == "ca" else []))
     start([front], procs)
     counts = lambda: mmferry_counts(front, encs)  # noqa: E731
     return Setup(key, front.url, [*encs, llm, front], encs, llm, counts)

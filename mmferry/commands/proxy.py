@@ -46,10 +46,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--encode-ahead",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="connector mode: the encoders answer once the items are preprocessed and the "
         "engine reads the request while their towers run (its connector waits for the rows); "
-        "--no-encode-ahead forwards the request only once the rows are held",
+        "for towers on GPUs with CPU cores to spare: where the engine and the encoders share "
+        "cores, the engine's scheduler polling while it waits slows the towers (default: off, "
+        "the request goes to the engine once its rows are held)",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this host only)")
     p.add_argument("--port", type=port, default=8080, help="0 picks a free port (printed)")

@@ -20,8 +20,10 @@ class ProxyConfig:
     # connector: grid-and-uuid parts, rows go encoder -> engine; embeds: rows through the proxy.
     mode: str = "connector"
     # Connector mode: ask the encoders to answer once the items are preprocessed and encode
-    # behind the answer, so the engine reads the request while the tower runs.
-    encode_ahead: bool = True
+    # behind the answer, so the engine reads the request while the tower runs. Off by default:
+    # where the engine and the encoders share CPU cores, the engine's scheduler passing while
+    # it waits takes the towers' CPU (BENCHMARKS.md: twice the tower time on 2 cores).
+    encode_ahead: bool = False
     # Embeds mode: the dtype of the rows handed to the engine (its model dtype).
     dtype: str = "bfloat16"
     limits: Limits = field(default_factory=Limits)

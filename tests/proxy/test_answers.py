@@ -438,22 +438,27 @@ def test_an_item_lost_before_the_load_is_loaded_alone_and_goes_as_pixels(alone, 
 @pytest.mark.parametrize(
     ("mode", "extra", "part", "wait"),
     [
-        ("connector", [], image_part(image(28, 28, 21)), False),
-        ("connector", ["--no-encode-ahead"], image_part(image(28, 28, 21)), None),
-        ("embeds", [], image_part(image(28, 28, 21)), None),
+        ("connector", ["--encode-ahead"], image_part(image(28, 28, 21)), False),
+        ("connector", [], image_part(image(28, 28, 21)), None),
+        ("embeds", ["--encode-ahead"], image_part(image(28, 28, 21)), None),
         # An item vLLM could not be sent as pixels must not be answered ahead of its rows: a
         # failed encode behind the answer would have no pixels to fall back on.
-        ("connector", [], {**image_part(image(28, 28, 21)), "max_pixels": 50176}, None),
+        (
+            "connector",
+            ["--encode-ahead"],
+            {**image_part(image(28, 28, 21)), "max_pixels": 50176},
+            None,
+        ),
     ],
-    ids=["connector", "connector-no-encode-ahead", "embeds", "connector-not-as-pixels"],
+    ids=["encode-ahead", "connector", "embeds", "not-as-pixels"],
 )
 def test_the_encode_asks_for_the_answer_ahead_of_the_rows_in_connector_mode(
     engine, liar, mode, extra, part, wait
 ):
-    """Connector mode asks the encoder to answer once the items are preprocessed (`"wait":
-    false`), so vLLM reads the request while the tower runs; never in embeds mode (the rows
-    come through the proxy), with --no-encode-ahead, or for a request an item of which could
-    not follow as pixels."""
+    """Connector mode with --encode-ahead asks the encoder to answer once the items are
+    preprocessed (`"wait": false`), so vLLM reads the request while the tower runs; never by
+    default, in embeds mode (the rows come through the proxy), or for a request an item of
+    which could not follow as pixels."""
     liar.answer("encode", facts())
     liar.answer("load", rows({HASH: ROWS}))
     front = proxy(engine, [liar.url], mode, *extra).start()

@@ -331,12 +331,12 @@ def test_failover_to_other_encoders_and_to_vllm(stack, proxies, mode):
 
 
 @only_qwen2_5
-def test_vllm_waits_for_rows_its_encoder_is_still_encoding(stack, proxies):
-    """Connector mode: the encoder answers once the item is preprocessed and encodes behind
-    the answer (its tower held back here by a 3 s batch wait), so vLLM reads the request first;
-    its connector finds the item pending, vLLM defers the request (no failure, no pixels sent
-    again) and runs it once the rows are held: the same tokens as vLLM given the pixels."""
-
+def test_vllm_waits_for_rows_its_encoder_is_still_encoding(stack):
+    """Connector mode with --encode-ahead: the encoder answers once the item is preprocessed
+    and encodes behind the answer (its tower held back here by a 3 s batch wait), so vLLM reads
+    the request first; its connector finds the item pending, vLLM defers the request (no
+    failure, no pixels sent again) and runs it once the rows are held: the same tokens as vLLM
+    given the pixels."""
     from tests.proxy.procs import Proc
 
     urls = [e.url for e in stack.encoders]
@@ -354,23 +354,19 @@ def test_vllm_waits_for_rows_its_encoder_is_still_encoding(stack, proxies):
     original.stop()
     slow = Proc([*original.args, "--batch-wait-ms", "3000"]).start()
     assert slow.url == slow_url
+    front = None
     try:
-        url = proxies["connector"].url
-        # An earlier test's kills may have left the proxy counting this URL down: its probe
-        # brings it back.
-        deadline = time.monotonic() + 30
-        while scrape(url, "mmferry_proxy_encoder_up", encoder=slow_url) != 1:
-            assert time.monotonic() < deadline, "the proxy does not count the encoder up"
-            time.sleep(0.2)
-        fallback = scrape(url, "mmferry_proxy_items_fallback_total")
+        front = proxy(stack.vllm.url, urls, "connector", "--encode-ahead").start()
         started = time.monotonic()
-        chat(url, stack.model, content).same_as(want)
+        chat(front.url, stack.model, content).same_as(want)
         assert time.monotonic() - started >= 3.0  # the rows were waited for
         assert scrape(slow.url, "mmferry_cache_lookups_total", answer="pending") > 0
         assert scrape(slow.url, "mmferry_cache_lookups_total", answer="present") == 1
-        assert scrape(url, "mmferry_proxy_items_fallback_total") == fallback
+        assert scrape(front.url, "mmferry_proxy_items_fallback_total") == 0
         assert scrape(slow.url, "mmferry_encoded_items_total") == 1
     finally:
+        if front is not None:
+            front.stop()
         slow.stop()
         original.start()
 
