@@ -60,10 +60,9 @@ class Presence:
         self.retry_after_s = retry_after_s
         self.wait_s = wait_s
         self._clock = clock
-        # identifier -> when the service first said it was still encoding it, oldest first,
-        # and (when to ask again, the gap after that) from its last such answer.
-        self._pending_since: OrderedDict[str, float] = OrderedDict()
-        self._pending_told: dict[str, tuple[float, float]] = {}
+        # identifier -> (when the service first said it was still encoding it, when to ask
+        # again, the gap that was), oldest first.
+        self._pending: OrderedDict[str, tuple[float, float, float]] = OrderedDict()
         # Answered "still encoding" in this pass: not asked again before the next.
         self._waiting: set[str] = set()
         # identifier -> until when "present" holds (monotonic seconds), oldest first.
@@ -106,8 +105,8 @@ class Presence:
             answered = self._claimed, self._absent, self._waiting
             if any(identifier in a for a in answered):
                 continue
-            told = self._pending_told.get(identifier)
-            if told is not None and now < told[0]:
+            told = self._pending.get(identifier)
+            if told is not None and now < told[1]:
                 self._waiting.add(identifier)  # said pending a moment ago
                 continue
             unknown.append(identifier)
@@ -135,12 +134,8 @@ class Presence:
         for identifier, pinned in zip(unknown, pins):
             if pinned is None and self._still_waiting(identifier, sent):
                 self._waiting.add(identifier)
-                gap = self._pending_told.get(identifier, (0.0, POLL_S / 2))[1] * 2
-                gap = min(gap, POLL_MAX_S)
-                self._pending_told[identifier] = (sent + gap, gap)
                 continue
-            self._pending_since.pop(identifier, None)
-            self._pending_told.pop(identifier, None)
+            self._pending.pop(identifier, None)
             if pinned is None or pinned < MIN_PIN_S:
                 self._absent.add(identifier)
                 continue
@@ -148,10 +143,12 @@ class Presence:
             self._claimed.add(identifier)
 
     def _still_waiting(self, identifier: str, now: float) -> bool:
-        """Whether an item the service is still encoding is worth waiting for: within `wait_s`
-        of the first such answer."""
-        since = self._pending_since.setdefault(identifier, now)
+        """Whether an item the service is still encoding is worth waiting for (within `wait_s`
+        of the first such answer); if so, when to ask again: the gap doubles each time."""
+        since, _, gap = self._pending.get(identifier, (now, now, POLL_S / 2))
         if now - since < self.wait_s:
+            gap = min(2 * gap, POLL_MAX_S)
+            self._pending[identifier] = (since, now + gap, gap)
             return True
         log.warning(
             "mmferry service %s still encodes %s after %g s; given up (absent)",
@@ -182,12 +179,11 @@ class Presence:
 
     def _expire(self, now: float) -> None:
         # Items waited for past twice `wait_s` are no request's any more (aborted ones).
-        while self._pending_since:
-            identifier, since = next(iter(self._pending_since.items()))
-            if now - since < 2 * self.wait_s and len(self._pending_since) <= self.max_items:
+        while self._pending:
+            identifier, (since, _, _) = next(iter(self._pending.items()))
+            if now - since < 2 * self.wait_s and len(self._pending) <= self.max_items:
                 break
-            del self._pending_since[identifier]
-            self._pending_told.pop(identifier, None)
+            del self._pending[identifier]
         # NOTE: entries are in the order they were told; a later one may end sooner, and
         # stays until it reaches the front or the size bound pushes it out (`has` checks it).
         while self._trusted:

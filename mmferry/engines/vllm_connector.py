@@ -13,8 +13,8 @@ then loads all of a step's items in one request (`/v1/cache/load`: shared-memory
 the service is on this host, safetensors otherwise, and safetensors again when a handle does not
 open), checks each item's rows against what the model takes (`[planned tokens, hidden * (1 +
 deepstack levels)]` in the model's dtype) and copies them once onto its device. A request whose
-item a service is still encoding (`mmferry proxy` forwards a request once its items are
-preprocessed, and the tower runs meanwhile) is deferred to a later step, for at most
+item a service is still encoding (`mmferry proxy --encode-ahead` forwards a request once its
+items are preprocessed, and the tower runs meanwhile) is deferred to a later step, for at most
 `timeout_s` from the first such answer. An item the
 service lacks, and any lookup that fails (service down or restarting, late, or answering
 something else than the protocol), is reported absent, and vLLM encodes that item itself, so

@@ -2,12 +2,12 @@
 failing over to each item's next choices.
 
 The items routed to one encoder go to it in one `/v1/cache/encode` call (one round trip, one
-batch in its tower), and in embeds mode their rows come back in one load. In connector mode the
-call asks for the answer ahead of the rows (`"wait": false`): the encoder answers once the items
-are preprocessed and encodes behind the answer, while the engine reads the request; the engine's
-connector waits for the rows, and an encode that fails there fails the engine's request before
-its output, which the proxy then sends again with pixels (items that cannot go as pixels wait
-for their rows). An encoder that
+batch in its tower), and in embeds mode their rows come back in one load. In connector mode with
+`--encode-ahead` the call asks for the answer ahead of the rows (`"wait": false`): the encoder
+answers once the items are preprocessed and encodes behind the answer, while the engine reads
+the request; the engine's connector waits for the rows, and an encode that fails there fails
+the engine's request before its output, which the proxy then sends again with pixels (items
+that cannot go as pixels wait for their rows). An encoder that
 refuses the connection, times out (or answers 408), is overloaded (429) or answers 5xx is
 marked down and the call's items go to their next choices; it is not probed again before the
 Retry-After it answered has passed. A background task probes down encoders' `/health` (with

@@ -247,7 +247,7 @@ class Pins:
 
     def pending(self, key: str) -> bool:
         """Whether `key` is still being encoded behind an answer already given."""
-        return self._encoding[key] > 0 if key in self._encoding else False
+        return key in self._encoding  # end_encoding drops a key at 0
 
     def hold(self, key: str, out: VisionOutput, now: float | None = None) -> bool:
         """Pin freshly encoded rows for the engine that will ask; whether the service holds
@@ -415,9 +415,7 @@ def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
         the encode failed), counted in the queue and the drain until then."""
         keys = [it.hash for it in items]
         pins.begin_encoding(keys)
-        state = intake.state
-        state.in_flight += 1
-        intake.metrics.in_flight.set(state.in_flight)
+        intake.count_in_flight(1)
 
         async def run() -> None:
             try:
@@ -429,8 +427,7 @@ def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
             finally:
                 # NOTE: no await between the hold and this: a lookup sees pending or held.
                 pins.end_encoding(keys)
-                state.in_flight -= 1
-                intake.metrics.in_flight.set(state.in_flight)
+                intake.count_in_flight(-1)
 
         task = asyncio.ensure_future(run())
         behind.add(task)

@@ -106,6 +106,12 @@ class Intake:
                 # requests finish.
                 state.reading -= 1
 
+    def count_in_flight(self, delta: int) -> None:
+        """Admitted encoding work (`--max-queue`, and what a drain waits for): a request of an
+        encoding route, or an encode that outlives its answer (server/ec.py)."""
+        self.state.in_flight += delta
+        self.metrics.in_flight.set(self.state.in_flight)
+
     def route(self, handler: Handler, *, encodes: bool = False) -> Callable[[Any], Awaitable[Any]]:
         """A FastAPI endpoint running `handler(request, body)` after the checks above; the
         handler returns a Response or a JSON-able value, or raises RequestError."""
@@ -135,8 +141,7 @@ class Intake:
                 log.info("client disconnected before its request body arrived")
                 return Response(status_code=499)
             if encodes:
-                state.in_flight += 1
-                metrics.in_flight.set(state.in_flight)
+                self.count_in_flight(1)
             else:
                 state.serving += 1
             try:
@@ -155,8 +160,7 @@ class Intake:
                 return self.refuse(err, request=request)
             finally:
                 if encodes:
-                    state.in_flight -= 1
-                    metrics.in_flight.set(state.in_flight)
+                    self.count_in_flight(-1)
                 else:
                     state.serving -= 1
             if not isinstance(result, Response):
