@@ -25,7 +25,33 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["EncoderState", "Router"]
+__all__ = ["EncoderState", "Router", "item_name", "parse_item_name"]
+
+# Between an item's hash and its routing key in the name a router gives an engine (its uuid).
+KEY_MARK = "@"
+# Before the rank of the encoder an item named ahead of its encode was sent to.
+AHEAD_MARK = "+"
+
+
+def item_name(item_hash: str, key: str, ahead: int | None = None) -> str:
+    """The item's name for an engine's connector: `<hash>@<key>`, the key its encoders are
+    ranked by (so the connector asks them in the router's order); an item named before its
+    encoder has read it (`ahead`: that encoder's rank among the key's choices) is
+    `<hash>@<key>+<rank>`: its encoder may not know it yet, and is the one to wait for."""
+    name = f"{item_hash}{KEY_MARK}{key}"
+    return name if ahead is None else f"{name}{AHEAD_MARK}{ahead}"
+
+
+def parse_item_name(name: str) -> tuple[str, str, int | None]:
+    """(hash, routing key, rank of the encoder named ahead or None) of `item_name`'s names; a
+    bare hash is its own key."""
+    item, at, rest = name.partition(KEY_MARK)
+    if not (at and item and rest):
+        return name, name, None
+    key, plus, rank = rest.rpartition(AHEAD_MARK)
+    if plus and key and rank.isdigit() and rank.isascii():
+        return item, key, int(rank)
+    return item, rest, None
 
 
 def _weight(url: str, key: str) -> int:

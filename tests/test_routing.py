@@ -124,3 +124,19 @@ def test_bad_configurations_are_refused():
         Router(["http://a:1", "http://a:1/"])
     with pytest.raises(ValueError, match="epsilon"):
         Router(URLS, epsilon=0)
+
+
+def test_item_names_carry_the_hash_the_key_and_the_encoder_named_ahead():
+    from mmferry.routing import item_name, parse_item_name
+
+    assert parse_item_name(item_name("abc", "k1")) == ("abc", "k1", None)
+    assert parse_item_name(item_name("abc", "k1", 2)) == ("abc", "k1", 2)
+    assert item_name("abc", "k1", 0) == "abc@k1+0"
+    # A bare hash is its own key; a name that only looks like one keeps what it has.
+    assert parse_item_name("abc") == ("abc", "abc", None)
+    assert parse_item_name("abc@") == ("abc@", "abc@", None)
+    assert parse_item_name("@k") == ("@k", "@k", None)
+    assert parse_item_name("abc@k+") == ("abc", "k+", None)
+    assert parse_item_name("abc@k+x") == ("abc", "k+x", None)
+    assert parse_item_name("abc@+1") == ("abc", "+1", None)
+    assert parse_item_name("abc@k+²") == ("abc", "k+²", None)  # a digit, not an ASCII one

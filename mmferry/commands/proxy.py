@@ -53,6 +53,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "cores, the engine's scheduler polling while it waits slows the towers (default: off, "
         "the request goes to the engine once its rows are held)",
     )
+    p.add_argument(
+        "--name-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="connector mode: the proxy names each image sent as a data: URL itself (its hash "
+        "and grid, from its header and the encoders' settings) and sends the request to the "
+        "engine beside the encode rather than after it; the engine's connector waits for the "
+        "rows. Off by default: the engine waiting beside the encoders costs them CPU where they "
+        "share cores",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this host only)")
     p.add_argument("--port", type=port, default=8080, help="0 picks a free port (printed)")
     p.add_argument(
@@ -149,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
             encoder_urls=tuple(args.encoder),
             mode=args.mode,
             encode_ahead=args.encode_ahead,
+            name_ahead=args.name_ahead,
             dtype=args.dtype,
             limits=Limits(
                 max_request_bytes=args.limit_request_bytes,

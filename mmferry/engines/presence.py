@@ -8,7 +8,10 @@ after. Anything else (the service down, late, or answering something that is not
 is "absent": the engine encodes the item itself and keeps serving. An item the service says it
 is still encoding (it answered the encode before the rows) is "waiting": the scheduler defers
 its request and asks again at its next pass, for at most `wait_s` from the first such answer,
-after which the item is absent. The tables of items told present or waiting are bounded in size
+after which the item is absent. An item its router named ahead of the encode (`ahead`) may be
+asked about before the service has read it: unknown to the service, it is waiting too until the
+service has once said it is encoding it (then unknown means its encode failed: absent), for at
+most `wait_s`. The tables of items told present or waiting are bounded in size
 and each entry expires, so items that are never allocated (aborted requests) cannot grow them.
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from mmferry.engines.cache_client import CacheClient
 
@@ -60,9 +63,10 @@ class Presence:
         self.retry_after_s = retry_after_s
         self.wait_s = wait_s
         self._clock = clock
-        # identifier -> (when the service first said it was still encoding it, when to ask
-        # again, the gap that was), oldest first.
-        self._pending: OrderedDict[str, tuple[float, float, float]] = OrderedDict()
+        # identifier -> (when the service first said it was still encoding it (or, for an item
+        # named ahead, did not know it yet), when to ask again, the gap that was, whether the
+        # service has said it is encoding it), oldest first.
+        self._pending: OrderedDict[str, tuple[float, float, float, bool]] = OrderedDict()
         # Answered "still encoding" in this pass: not asked again before the next.
         self._waiting: set[str] = set()
         # identifier -> until when "present" holds (monotonic seconds), oldest first.
@@ -88,11 +92,12 @@ class Presence:
         it has not been waited for longer than `wait_s`): its request is to be deferred."""
         return identifier in self._waiting
 
-    def ask(self, identifiers: list[str]) -> None:
+    def ask(self, identifiers: list[str], ahead: Collection[str] = ()) -> None:
         """Ask the service about every item of `identifiers` not already answered in this
         pass or trusted, in one lookup; `has` then answers from what it said. A request's
         items are asked together, so the scheduler waits one round trip per service, not one
-        per item."""
+        per item. `ahead`: items named before the service read them (waited for while it does
+        not know them yet)."""
         now = self._clock()
         self._expire(now)
         unknown = []
@@ -105,8 +110,8 @@ class Presence:
             answered = self._claimed, self._absent, self._waiting
             if any(identifier in a for a in answered):
                 continue
-            told = self._pending.get(identifier)
-            if told is not None and now < told[1]:
+            entry = self._pending.get(identifier)
+            if entry is not None and now < entry[1]:
                 self._waiting.add(identifier)  # said pending a moment ago
                 continue
             unknown.append(identifier)
@@ -132,7 +137,9 @@ class Presence:
             log.warning("mmferry service %s answers again", self.client.url)
             self._down = False
         for identifier, pinned in zip(unknown, pins):
-            if pinned is None and self._still_waiting(identifier, sent):
+            encoding = pinned is None
+            unread = pinned == 0 and identifier in ahead and not self._told(identifier)
+            if (encoding or unread) and self._still_waiting(identifier, sent, encoding):
                 self._waiting.add(identifier)
                 continue
             self._pending.pop(identifier, None)
@@ -142,16 +149,22 @@ class Presence:
             self._remember(identifier, sent + pinned * TRUST_SHARE)
             self._claimed.add(identifier)
 
-    def _still_waiting(self, identifier: str, now: float) -> bool:
-        """Whether an item the service is still encoding is worth waiting for (within `wait_s`
-        of the first such answer); if so, when to ask again: the gap doubles each time."""
-        since, _, gap = self._pending.get(identifier, (now, now, POLL_S / 2))
+    def _told(self, identifier: str) -> bool:
+        """Whether the service has said it is encoding `identifier` (while it is waited for)."""
+        entry = self._pending.get(identifier)
+        return entry is not None and entry[3]
+
+    def _still_waiting(self, identifier: str, now: float, told: bool) -> bool:
+        """Whether an item the service is still encoding (`told`), or has not read yet, is
+        worth waiting for (within `wait_s` of the first such answer); if so, when to ask
+        again: the gap doubles each time."""
+        since, _, gap, was_told = self._pending.get(identifier, (now, now, POLL_S / 2, False))
         if now - since < self.wait_s:
             gap = min(2 * gap, POLL_MAX_S)
-            self._pending[identifier] = (since, now + gap, gap)
+            self._pending[identifier] = (since, now + gap, gap, was_told or told)
             return True
         log.warning(
-            "mmferry service %s still encodes %s after %g s; given up (absent)",
+            "mmferry service %s has not held %s within %g s; given up (absent)",
             self.client.url,
             identifier,
             self.wait_s,
@@ -180,7 +193,7 @@ class Presence:
     def _expire(self, now: float) -> None:
         # Items waited for past twice `wait_s` are no request's any more (aborted ones).
         while self._pending:
-            identifier, (since, _, _) = next(iter(self._pending.items()))
+            identifier, (since, *_) = next(iter(self._pending.items()))
             if now - since < 2 * self.wait_s and len(self._pending) <= self.max_items:
                 break
             del self._pending[identifier]

@@ -67,7 +67,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from mmferry.engines.cache_client import CacheClient, RowSpec, fetch_rows  # noqa: E402
 from mmferry.engines.presence import Presence  # noqa: E402
-from mmferry.routing import Router  # noqa: E402
+from mmferry.routing import Router, parse_item_name  # noqa: E402
 
 log = logging.getLogger("mmferry.connector")
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -260,8 +260,16 @@ class MmferryECConnector(ECConnectorBase):
 
     def _waiting(self, identifier: str) -> bool:
         """Whether a service of the item said in this pass that it is still encoding it."""
-        item, key = split_identifier(identifier)
-        return any(self._presences[url].waiting(item) for url in self._router.choices(key))
+        item, key, ahead = parse_item_name(identifier)
+        return any(self._presences[url].waiting(item) for url in self._choices(key, ahead))
+
+    def _choices(self, key: str, ahead: int | None) -> list[str]:
+        """The services to ask for an item, in order: the router's for its key, the one an
+        item named ahead of its encode was sent to first."""
+        order = self._router.choices(key)
+        if ahead is not None and ahead < len(order):
+            order.insert(0, order.pop(ahead))
+        return order
 
     def _ask(self, identifiers: list[str]) -> None:
         """A request's items asked of their first-choice services (and the store) together,
@@ -269,31 +277,34 @@ class MmferryECConnector(ECConnectorBase):
         item. An item its first choice lacks is asked of the next ones by `has_cache_item`."""
         if not identifiers:
             return
-        items = [split_identifier(i) for i in identifiers]
+        items = [parse_item_name(i) for i in identifiers]
         if self._store_presence is not None:
             # As `has_cache_item`: an item the store holds is not asked of (nor pinned by) a
             # service.
-            self._store_presence.ask([item for item, _ in items])
-            items = [(item, key) for item, key in items if not self._store_presence.has(item)]
+            self._store_presence.ask([item for item, _, _ in items])
+            items = [i for i in items if not self._store_presence.has(i[0])]
         by_url: dict[str, list[str]] = {}
-        for item, key in items:
-            by_url.setdefault(self._router.choices(key)[0], []).append(item)
+        ahead: set[str] = set()
+        for item, key, rank in items:
+            by_url.setdefault(self._choices(key, rank)[0], []).append(item)
+            if rank is not None:
+                ahead.add(item)
         asks = [(self._presences[url], hashes) for url, hashes in by_url.items()]
         if len(asks) == 1:
-            asks[0][0].ask(asks[0][1])
+            asks[0][0].ask(asks[0][1], ahead)
             return
         # Presence.ask never raises; each service has its own client.
-        list(self._asking.map(lambda a: a[0].ask(a[1]), asks))
+        list(self._asking.map(lambda a: a[0].ask(a[1], ahead), asks))
 
     def take_unavailable_requests(self) -> set[str]:
         failed, self._unavailable = self._unavailable, set()
         return failed
 
     def has_cache_item(self, identifier: str) -> bool:
-        item, key = split_identifier(identifier)
+        item, key, ahead = parse_item_name(identifier)
         if self._store_presence is not None and self._store_presence.has(item):
             return True
-        for url in self._router.choices(key):
+        for url in self._choices(key, ahead):
             presence = self._presences[url]
             if presence.has(item):
                 self._owners[identifier] = url
@@ -304,7 +315,7 @@ class MmferryECConnector(ECConnectorBase):
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         identifier = request.mm_features[index].identifier
-        item, _ = split_identifier(identifier)
+        item = parse_item_name(identifier)[0]
         stored = self._store_presence is not None and self._store_presence.claim(item)
         url = self._owners.pop(identifier, None)
         if url is not None and self._presences[url].claim(item):
@@ -345,7 +356,7 @@ class MmferryECConnector(ECConnectorBase):
         for identifier, n in meta.items.items():
             if identifier in encoder_cache:
                 continue
-            item, key = split_identifier(identifier)
+            item, key, _ = parse_item_name(identifier)
             named.setdefault(item, []).append(identifier)
             need[item], keys[item] = n, key
             if identifier in meta.owners:
@@ -429,14 +440,6 @@ class MmferryECConnector(ECConnectorBase):
             client.close()
         if self._store is not None:
             self._store.close()
-
-
-def split_identifier(identifier: str) -> tuple[str, str]:
-    """(the item's hash, its routing key). `mmferry proxy` names an item `<hash>@<key>`, the
-    key it ranked the encoders by (the item's hash is known only once an encoder has read it),
-    so the connector asks the encoders in the proxy's order; a bare hash is its own key."""
-    item, at, key = identifier.partition("@")
-    return (item, key) if at and item and key else (identifier, identifier)
 
 
 def encodable(feature: Any) -> bool:

@@ -163,6 +163,19 @@ def _open_checked(data: bytes, name: str, max_pixels: int) -> Image.Image:
     return im
 
 
+def encoded_identity(data: bytes) -> tuple[bytes, bytes]:
+    """The parts an encoded image's key is hashed over (with the settings): its bytes."""
+    return (b"encoded", data)
+
+
+def upright_size(data: bytes, max_pixels: int) -> tuple[int, int]:
+    """(height, width) of the encoded image `data` as `decode_image` decodes it (turned by its
+    EXIF orientation), read from its header alone; ValueError as `decode_image` refuses it."""
+    im = _open_checked(data, describe(data), max_pixels)
+    turned = _orientation(im) in (5, 6, 7, 8)  # a quarter turn swaps the sides
+    return (im.width, im.height) if turned else (im.height, im.width)
+
+
 def _load(im: Image.Image, name: str) -> None:
     try:
         im.load()
@@ -387,4 +400,4 @@ def decode_image(source: Any, max_pixels: int) -> DecodedImage:
     if pixels is None:
         _load(im, name)
         pixels = _pil_to_chw(_upright(im), name)  # the unturned image is dropped
-    return DecodedImage(pixels, (b"encoded", data))
+    return DecodedImage(pixels, encoded_identity(data))

@@ -11,7 +11,14 @@ import torch
 
 from mmferry.config import ProcessorConfig
 from mmferry.items import LAYOUTS, Layout, MultimodalItem
-from mmferry.preprocess.decode import DecodedImage, as_batch, decode_image, pixels_identity
+from mmferry.preprocess.decode import (
+    DecodedImage,
+    as_batch,
+    decode_image,
+    encoded_identity,
+    pixels_identity,
+    upright_size,
+)
 from mmferry.preprocess.hashing import identity_nbytes, item_hash
 from mmferry.preprocess.patchify import patchify, resize_u8
 from mmferry.preprocess.resize import smart_resize
@@ -46,6 +53,26 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
+def resized_size(height: int, width: int, cfg: ProcessorConfig) -> tuple[int, int]:
+    """The (height, width) an upright image of this size is resized to."""
+    return smart_resize(
+        height,
+        width,
+        factor=cfg.factor,
+        min_pixels=cfg.image_min_pixels,
+        max_pixels=cfg.image_max_pixels,
+    )
+
+
+def encoded_image_facts(data: bytes, cfg: ProcessorConfig) -> tuple[str, tuple[int, int, int]]:
+    """The hash and grid `process_image` gives the encoded image `data`, from its header
+    alone (nothing decoded); ValueError where `process_image` would refuse its header."""
+    height, width = upright_size(data, cfg.max_decoded_pixels)
+    new_h, new_w = resized_size(height, width, cfg)
+    key = item_hash("image", encoded_identity(data), cfg)
+    return key, (1, new_h // cfg.patch_size, new_w // cfg.patch_size)
+
+
 def process_image(
     source: Any, cfg: ProcessorConfig, *, layout: Layout = "hf", threads: int | None = None
 ) -> MultimodalItem:
@@ -54,13 +81,7 @@ def process_image(
     threads = preprocess_threads(threads)
     decoded = decode_image(source, cfg.max_decoded_pixels)
     _, height, width = decoded.pixels.shape
-    new_h, new_w = smart_resize(
-        height,
-        width,
-        factor=cfg.factor,
-        min_pixels=cfg.image_min_pixels,
-        max_pixels=cfg.image_max_pixels,
-    )
+    new_h, new_w = resized_size(height, width, cfg)
     # NOTE: the key covers the encoded bytes where there are any, else the smaller of the
     # upright source pixels and the resized pixels, hashed in place (no copy of contiguous
     # pixels). A hash that does not need the resize starts before it, on one extra thread

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from mmferry.proxy.ahead import INLINE_CHARS, name_items, nameable, payload_chars, same_item
 from mmferry.proxy.config import ProxyConfig
 from mmferry.proxy.encoders import EncoderPool
 from mmferry.proxy.forward import Answer, Upstream, relay, response_headers
@@ -49,6 +51,11 @@ class Retry:
 
     items: int
     body: Callable[[], bytes]
+
+
+# With items named ahead of their encode: given the engine's answer, None (it stands) or the
+# body (and its second form) to send instead.
+Settle = Callable[[Answer], Awaitable[tuple[bytes, Retry | None] | None]]
 
 
 class ProxyState:
@@ -77,6 +84,13 @@ class ProxyIntake(Intake):
     def error_body(self, err: RequestError) -> dict:
         # The engine's error shape (OpenAI's), with the proxy's kind as its type.
         return {"error": {"message": err.message, "type": err.kind, "code": err.status}}
+
+
+def _answered(verdict: asyncio.Future) -> bool:
+    """Whether `Answer.failed_before_output` found output."""
+    if not verdict.done() or verdict.cancelled() or verdict.exception() is not None:
+        return False
+    return not verdict.result()
 
 
 def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
@@ -131,11 +145,18 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         state.in_flight += 1
         metrics.in_flight.set(state.in_flight)
 
-    async def forward(request: Any, raw: bytes, t0: float, again: Retry | None = None) -> Any:
+    async def forward(
+        request: Any,
+        raw: bytes,
+        t0: float,
+        again: Retry | None = None,
+        settle: Settle | None = None,
+    ) -> Any:
         """The engine's answer to `raw`, streamed; the request is in flight (admit) until the
         stream ends. Raises what the engine's connection raises, the request released. With
         `again`, an answer that failed before any output is dropped and `again`'s body sent
-        instead (its items as pixels)."""
+        instead (its items as pixels). With `settle` (items named ahead of their encode), the
+        engine's answer is dropped where settle says what to send instead."""
         finished = False
 
         async def finish() -> None:
@@ -159,6 +180,13 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         upstream: Answer | None = None
         try:
             upstream = await send(raw)
+            if settle is not None:
+                instead = await settle(upstream)
+                if instead is not None:
+                    await upstream.aclose()
+                    upstream = None
+                    raw, again = instead
+                    upstream = await send(raw)
             if again is not None and await upstream.failed_before_output():
                 # NOTE: an item sent by reference that the engine's connector could not find
                 # (its encoder died or dropped it): the engine encodes it from the pixels.
@@ -197,13 +225,18 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         t0 = time.perf_counter()
         # NOTE: no await from intake's count (serving) to admit's (the drain's invariant).
         admit()
+        settle = None
         try:
-            raw, again = await _encoded_body(body)
+            named = await _named_body(body)
+            if named is None:
+                raw, again = await _encoded_body(body)
+            else:
+                raw, again, settle = named
         except BaseException:
             state.in_flight -= 1
             metrics.in_flight.set(state.in_flight)
             raise
-        return await forward(request, raw, t0, again)
+        return await forward(request, raw, t0, again, settle)
 
     async def other(request: Any) -> Any:
         """Any other route or method: its body (if any) passed on byte for byte, whatever its
@@ -266,6 +299,72 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
             return json.dumps(rewrite(body, media, answers, config.mode, pixels_only=True)).encode()
 
         return raw, Retry(n, pixels)
+
+    async def _named_body(body: Any) -> tuple[bytes, Retry, Settle] | None:
+        """With --name-ahead: the chat body with its images named by the proxy, their encode
+        started beside it, and how to settle the engine's answer once that encode has
+        answered; None when the request goes the usual way (ahead.py says which do)."""
+        cfg = state.encoders.naming()
+        if cfg is None:
+            return None
+        media = find_media(body, state.policy, config.allow_client_embeds)
+        if not media or not nameable(media):
+            return None
+        if payload_chars(media) > INLINE_CHARS:
+            named = await asyncio.to_thread(name_items, media, cfg)
+        else:
+            named = name_items(media, cfg)
+        urls = state.encoders.place(media) if named is not None else None
+        if named is None or urls is None:
+            return None
+        named = [
+            dataclasses.replace(n, ahead=state.encoders.rank(m, u))
+            for n, m, u in zip(named, media, urls)
+        ]
+        encoding = asyncio.ensure_future(state.encoders.encode_named(media, urls, named))
+        behind.add(encoding)  # held until it ends, whoever waits for it
+        encoding.add_done_callback(behind.discard)
+        raw = json.dumps(rewrite(body, media, named, config.mode)).encode()
+
+        def pixels() -> bytes:
+            return json.dumps(rewrite(body, media, named, config.mode, pixels_only=True)).encode()
+
+        async def settle(upstream: Answer) -> tuple[bytes, Retry | None] | None:
+            """None: the engine's answer stands (it answered, or the encoder holds every item
+            under the proxy's names; an answer that fails before its output is then sent again
+            as pixels); else the usual way's body for an encode that did not hold them. The
+            encoder's refusal of an item is the client's answer."""
+            first = upstream.failed_before_output()
+            try:
+                await asyncio.wait([encoding, first], return_when=asyncio.FIRST_COMPLETED)
+                if _answered(first):
+                    # The engine answers: it had the rows; the encode ends behind it.
+                    encoding.add_done_callback(_ended_behind)
+                    return None
+                answers = await encoding
+            except BaseException:
+                encoding.cancel()
+                raise
+            held = sum(same_item(n, a) for n, a in zip(named, answers))
+            metrics.named_ahead.labels("held").inc(held)
+            if held == len(named):
+                return None
+            metrics.named_ahead.labels("redone").inc(len(named))
+            log.warning(
+                "%d of %d items named ahead were not held under those names; the request "
+                "goes again the usual way",
+                len(named) - held,
+                len(named),
+            )
+            return await _encoded_body(body)
+
+        return raw, Retry(len(media), pixels), settle
+
+    behind: set[asyncio.Future] = set()  # encodes of items named ahead
+
+    def _ended_behind(task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("an encode ended after the engine's answer failed: %s", task.exception())
 
     # NOTE: as in server/app.py, FastAPI needs the real class to hand the raw request over.
     other.__annotations__["request"] = fastapi.Request

@@ -24,6 +24,9 @@ class ProxyConfig:
     # where the engine and the encoders share CPU cores, the engine's scheduler passing while
     # it waits takes the towers' CPU (BENCHMARKS.md: twice the tower time on 2 cores).
     encode_ahead: bool = False
+    # Connector mode: name each image (hash, grid) from its header and the encoders' settings
+    # and send the request to the engine beside the encode, not after it (proxy/ahead.py).
+    name_ahead: bool = False
     # Embeds mode: the dtype of the rows handed to the engine (its model dtype).
     dtype: str = "bfloat16"
     limits: Limits = field(default_factory=Limits)

@@ -29,6 +29,8 @@ import math
 import time
 from typing import Any
 
+from mmferry.config import ProcessorConfig
+from mmferry.proxy.ahead import PROCESSOR, processor_config
 from mmferry.proxy.answers import BadEncoderAnswer, encode_facts, loaded_rows
 from mmferry.proxy.config import ProxyConfig
 from mmferry.proxy.media import Encoded, Media, as_pixels, client_error, names_a_part
@@ -95,16 +97,100 @@ class EncoderPool:
         )
         self._transport_errors = (httpx.TransportError, OSError)
         self._prober: asyncio.Task | None = None
+        # --name-ahead: each encoder's processor settings (None: a generic-family encoder),
+        # and the settings the proxy names items by once every encoder has answered alike.
+        self._settings: dict[str, ProcessorConfig | None] = {}
+        self._naming: ProcessorConfig | None = None
+        self._learner: asyncio.Task | None = None
 
     async def start(self) -> None:
         self._prober = asyncio.ensure_future(self._probe_loop())
+        if self.config.name_ahead and self.config.mode == "connector":
+            self._learner = asyncio.ensure_future(self._learn_settings())
 
     async def close(self) -> None:
-        if self._prober is not None:
-            self._prober.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._prober
+        for task in (self._prober, self._learner):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.http.aclose()
+
+    def naming(self) -> ProcessorConfig | None:
+        """The settings the proxy names items by ahead of their encode; None until every
+        encoder has said what it names them by, or when they differ (or one is generic)."""
+        return self._naming
+
+    async def _learn_settings(self) -> None:
+        """Asks each encoder its processor settings until all have answered."""
+        while len(self._settings) < len(self.router.urls):
+            for url in self.router.urls:
+                if url not in self._settings:
+                    with contextlib.suppress(*self._transport_errors, ValueError):
+                        r = await self.http.get(url + PROCESSOR)
+                        if r.status_code == 200:
+                            self._settings[url] = processor_config(r.json())
+                        else:
+                            log.warning("encoder %s: %s answered %d", url, PROCESSOR, r.status_code)
+            if len(self._settings) < len(self.router.urls):
+                await asyncio.sleep(1.0)
+        kinds = set(self._settings.values())
+        if len(kinds) == 1 and None not in kinds:
+            self._naming = kinds.pop()
+            log.info("the proxy names images ahead of their encode (--name-ahead)")
+        else:
+            log.warning(
+                "--name-ahead is off: the encoders name items by different settings, or one "
+                "serves its model through the generic family"
+            )
+
+    def place(self, media: list[Media]) -> list[str] | None:
+        """The encoder each item goes to, counted in the router until `encode_named` ends;
+        None when an item has no encoder up."""
+        urls: list[str] = []
+        for m in media:
+            url = self.router.route(m.key)
+            if url is None:
+                for taken in urls:
+                    self.router.release(taken)
+                return None
+            self.router.acquire(url)  # counted before the next item is routed
+            urls.append(url)
+        return urls
+
+    def rank(self, media: Media, url: str) -> int:
+        """`url`'s place among the item's choices (what the engine's connector is told)."""
+        return self.router.choices(media.key).index(url)
+
+    async def encode_named(
+        self, media: list[Media], urls: list[str], named: list[Encoded]
+    ) -> list[Encoded | None]:
+        """The items encoded on the encoders `place` chose, under the names the proxy gave
+        them: each encoder's answers (None where it failed: the caller sends the request the
+        usual way). RequestError when an encoder refused an item itself."""
+        calls: dict[str, list[int]] = {}
+        for i, url in enumerate(urls):
+            calls.setdefault(url, []).append(i)
+
+        async def call(url: str, idx: list[int]) -> list[Any]:
+            try:
+                items = [media[i] for i in idx]
+                return await self._encode_on(url, items, False, [named[i].facts for i in idx])
+            except (_Failed, _Split) as e:
+                if isinstance(e, _Failed):
+                    self.metrics.encoder_failures.labels(url, e.reason).inc()
+                log.warning("encoder %s failed items named ahead (%s)", url, e)
+                return [None] * len(idx)
+            finally:
+                for _ in idx:
+                    self.router.release(url)
+
+        done: list[Encoded | None] = [None] * len(media)
+        results = await gather_or_cancel(call(url, idx) for url, idx in calls.items())
+        for idx, result in zip(calls.values(), results):
+            for i, answer in zip(idx, result):
+                done[i] = answer
+        return done
 
     def _down(self, url: str, hold_s: float = 0.0) -> None:
         self.router.mark_down(url, hold_s=hold_s)
@@ -207,8 +293,14 @@ class EncoderPool:
             log.warning("encoder %s failed (%s); trying the items' next choices", url, e)
             return [_NEXT] * len(media)
 
-    async def _encode_on(self, url: str, media: list[Media], early: bool) -> list[Encoded | None]:
+    async def _encode_on(
+        self, url: str, media: list[Media], early: bool, named: list[dict] | None = None
+    ) -> list[Encoded | None]:
         body: dict[str, Any] = {"content": [m.raw for m in media]}
+        if named is not None:
+            # The names the engine already has: pending there from the moment the encoder
+            # reads this, held only if its own facts are these.
+            body["announced"] = [{"hash": f["hash"], "grid_thw": f["grid_thw"]} for f in named]
         if early:
             # The answer comes once the items are preprocessed; the engine reads the request
             # while the tower runs, and its connector waits for the rows (pending lookups).

@@ -8,6 +8,7 @@ An engine that cannot be reached is a 502 naming why.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -95,11 +96,18 @@ class Answer:
         self.response = response
         self.chunks = response.aiter_raw()
         self.head: list[bytes] = []
+        self._verdict: asyncio.Task | None = None
 
-    async def failed_before_output(self) -> bool:
+    def failed_before_output(self) -> asyncio.Future:
         """Whether the engine failed the request before generating anything: a 5xx, or a
         stream whose first event with content is an error (vLLM fails a request whose items
-        its connector cannot supply that way). What was read is kept for `relay`."""
+        its connector cannot supply that way). What was read is kept for `relay`. One reading
+        of the stream, however often it is asked."""
+        if self._verdict is None:
+            self._verdict = asyncio.ensure_future(self._read_verdict())
+        return self._verdict
+
+    async def _read_verdict(self) -> bool:
         status = self.response.status_code
         if status >= 500:
             return True
@@ -120,6 +128,9 @@ class Answer:
         return False
 
     async def aclose(self) -> None:
+        if self._verdict is not None and not self._verdict.done():
+            self._verdict.cancel()
+            await asyncio.wait([self._verdict])
         await self.response.aclose()
 
 

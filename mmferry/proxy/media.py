@@ -37,6 +37,7 @@ from mmferry.chat.parts import (
     parse_part,
 )
 from mmferry.chat.sources import Reference
+from mmferry.routing import item_name
 from mmferry.server.limits import RequestError, over_limit
 from mmferry.server.sources import refused
 
@@ -64,6 +65,9 @@ class Encoded:
 
     facts: dict[str, Any]
     rows: Any = None  # torch.Tensor in embeds mode
+    # Named by the proxy ahead of its encode: the rank, among the item's choices, of the
+    # encoder it was sent to (routing.py's `item_name`).
+    ahead: int | None = None
 
 
 def route_key(part: MediaPart) -> str:
@@ -235,8 +239,8 @@ def _pixel_modalities(media: Sequence[Media], answers: Sequence[Encoded | None])
 
 def uuid(answer: Encoded, media: Media) -> str:
     """The item's name for the engine's connector: its hash, and the key the proxy routed it
-    by, so the connector asks the encoders in the proxy's order."""
-    return f"{answer.facts['hash']}@{media.key}"
+    by, so the connector asks the encoders in the proxy's order (routing.py's `item_name`)."""
+    return item_name(answer.facts["hash"], media.key, answer.ahead)
 
 
 def rewrite(

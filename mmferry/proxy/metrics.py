@@ -56,6 +56,16 @@ class ProxyMetrics(Staged):
             ["reason"],
             registry=r,
         )
+        self.named_ahead = Counter(
+            "mmferry_proxy_named_ahead",
+            "items named by the proxy and sent to the engine beside their encode (--name-ahead): "
+            "held (the encoder held them under those names) or redone (it did not: the request "
+            "went again the usual way)",
+            ["outcome"],
+            registry=r,
+        )
+        self.named_ahead.labels("held")
+        self.named_ahead.labels("redone")
         self.ttft_seconds = Histogram(
             "mmferry_proxy_ttft_seconds",
             "the request read (its body in) to the engine's first chunk, as the proxy sees it",

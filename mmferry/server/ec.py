@@ -42,6 +42,7 @@ Bodies:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import logging
 import time
@@ -54,7 +55,7 @@ import torch
 from mmferry.embed.cache import EncoderCache
 from mmferry.embed.packed import packed_rows
 from mmferry.encoder.model import VisionOutput
-from mmferry.server.bodies import LOCAL_HOSTS
+from mmferry.server.bodies import LOCAL_HOSTS, check_caller
 from mmferry.server.intake import Intake
 from mmferry.server.limits import RequestError
 from mmferry.server.service import DTYPES, RESPONSES
@@ -332,9 +333,44 @@ async def prepare_items(service: Any, body: Any, local: bool) -> list[Any]:
     if isinstance(body, dict):
         # The rows stay here (the connector loads them), so the answer's form is not asked;
         # `wait` is this route's own.
-        body = {k: v for k, v in body.items() if k not in ("response", "wait")}
+        body = {k: v for k, v in body.items() if k not in ("response", "wait", "announced")}
     items, _, _ = await service.prepare(body, local=local)
     return items
+
+
+def _announced(body: Any) -> list[tuple[str, list[int]]] | None:
+    """The hash and grid the caller named each part by, ahead of this encode (`announced`),
+    or None when it named none."""
+    given = body.get("announced") if isinstance(body, dict) else None
+    if given is None:
+        return None
+    content = body.get("content")
+    msg = (
+        "'announced' must list, for each part of 'content', the item's "
+        '{"hash": str, "grid_thw": [t, h, w]}'
+    )
+    if not isinstance(given, list) or not isinstance(content, list) or len(given) != len(content):
+        raise RequestError(422, "bad_request", msg)
+    out = []
+    for a in given:
+        h = a.get("hash") if isinstance(a, dict) else None
+        grid = a.get("grid_thw") if isinstance(a, dict) else None
+        if not (isinstance(h, str) and 0 < len(h) <= HASH_CHARS) or not (
+            isinstance(grid, list)
+            and len(grid) == 3
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in grid)
+        ):
+            raise RequestError(422, "bad_request", msg)
+        out.append((h, grid))
+    return out
+
+
+def _as_announced(item: Any, announced: tuple[str, list[int]]) -> bool:
+    """Whether `item` is the one its caller named: the same hash and grid (so the rows fit
+    the prompt the engine planned from the caller's facts)."""
+    grid = None if item.grid_thw is None else list(item.grid_thw)
+    pixels = getattr(item, "engine_needs_pixels", False)
+    return not pixels and (item.hash, grid) == tuple(announced)
 
 
 def _wait(body: Any) -> bool:
@@ -355,6 +391,7 @@ def _choice(body: dict[str, Any], name: str, default: str, allowed: Any) -> str:
 def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
     """Register /v1/cache/lookup, /v1/cache/load and /v1/cache/encode on the service's app,
     each read and admitted by `intake` as /v1/encode is."""
+    import fastapi
     from fastapi.responses import Response
 
     pins = Pins(service.cache, max_bytes=service.config.cache_bytes)
@@ -400,6 +437,9 @@ def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
     async def encode(request: Any, body: Any) -> Any:
         local = request.client is not None and request.client.host in LOCAL_HOSTS
         wait = _wait(body)
+        announced = _announced(body)
+        if announced is not None:
+            return await encode_announced(body, announced, local)
         items = await prepare_items(service, body, local)
         if not wait and not any(getattr(it, "engine_needs_pixels", False) for it in items):
             encode_behind(items)
@@ -409,6 +449,40 @@ def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
         with service.metrics.stage("respond"):
             held = {it.hash: pins.hold(it.hash, out) for it, out in zip(items, outs)}
             return {"items": [{**facts(it), "held": held[it.hash]} for it in items]}
+
+    async def encode_announced(
+        body: Any, announced: list[tuple[str, list[int]]], local: bool
+    ) -> dict[str, Any]:
+        """An encode whose items the caller named ahead (and whose engine may already be asking
+        for them): pending to lookups from the moment the body is read, held only where the
+        service's own facts are the caller's; an item that differs is not held (the caller
+        sends its pixels) and its announced hash goes absent."""
+        keys = [h for h, _ in announced]
+        pins.begin_encoding(keys)
+        try:
+            items = await prepare_items(service, body, local)
+            same = [_as_announced(it, a) for it, a in zip(items, announced)]
+            for it, a, ok in zip(items, announced, same):
+                if not ok:
+                    service.metrics.errors.labels("announced_differs").inc()
+                    log.warning(
+                        "an item named ahead as %s %s is %s %s here: not held under that name",
+                        *a,
+                        it.hash,
+                        None if it.grid_thw is None else list(it.grid_thw),
+                    )
+            todo = [it for it, ok in zip(items, same) if ok]
+            outs = await service.batcher.encode(todo) if todo else []
+            with service.metrics.stage("respond"):
+                held = {it.hash: pins.hold(it.hash, out) for it, out in zip(todo, outs)}
+                return {
+                    "items": [
+                        {**facts(it), "held": ok and held[it.hash]} for it, ok in zip(items, same)
+                    ]
+                }
+        finally:
+            # NOTE: no await between the holds and this: a lookup sees pending or held.
+            pins.end_encoding(keys)
 
     def encode_behind(items: list[Any]) -> None:
         """Encode `items` after their answer: pending to lookups until their rows are held (or
@@ -433,6 +507,20 @@ def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
         behind.add(task)
         task.add_done_callback(behind.discard)
 
+    async def processor(request: Any) -> Any:
+        """The settings items are named by (their hash and grid), for a router that names them
+        itself ahead of the encode (`mmferry proxy --name-ahead`); None for a generic-family
+        service, whose items the engine plans from their pixels."""
+        try:
+            check_caller(request.headers, service.config.api_key, False)
+        except RequestError as e:
+            return intake.refuse(e, request=request)
+        cfg = None if service.generic else dataclasses.asdict(service.processor.config)
+        return {"processor": cfg}
+
+    # NOTE: FastAPI needs the real class to hand the raw request over (as server/app.py).
+    processor.__annotations__["request"] = fastapi.Request
+    app.get("/v1/cache/processor")(processor)
     app.post("/v1/cache/lookup")(intake.route(lookup))
     app.post("/v1/cache/load")(intake.route(load))
     # It encodes too, so it shares /v1/encode's queue.

@@ -69,6 +69,17 @@ def pending() -> Responder:
     )
 
 
+def absent() -> Responder:
+    """Every asked hash unknown to the service (not held, not being encoded)."""
+    return lambda body: js(
+        {
+            "present": [False] * len(body["hashes"]),
+            "pinned_s": [0.0] * len(body["hashes"]),
+            "pending": [False] * len(body["hashes"]),
+        }
+    )
+
+
 SLOW_S = 4.0  # how late the late answers are (the trickled one, byte by byte)
 # Every form of a bad lookup answer for one hash; each must read as "absent".
 BAD_LOOKUPS = {

@@ -23,6 +23,7 @@ from tests.engines.lying_service import (
     SLOW_S,
     Answer,
     LyingService,
+    absent,
     handle_json,
     html,
     js,
@@ -201,6 +202,68 @@ def test_an_item_pending_past_its_wait_is_absent(lying):
         assert presence.claim("h") is False
         # Another item's wait is its own.
         assert presence.has("g") is False and presence.waiting("g")
+    finally:
+        client.close()
+
+
+def test_an_item_named_ahead_is_waited_for_until_its_encoder_has_read_it(lying):
+    """An item the proxy named before its encoder read it (`ahead`): unknown to the service,
+    it is waiting (its request deferred), not absent; then pending, then present. Unknown after
+    the service once said it encodes it is absent (that encode failed); an item not named ahead
+    is absent at once."""
+    clock = Clock()
+    lying.answer("lookup", absent())
+    client = client_for(lying.url)
+    presence = Presence(client, clock=clock, wait_s=5.0)
+    try:
+        assert presence.has("plain") is False and not presence.waiting("plain")
+        presence.ask(["h"], ahead={"h"})
+        assert presence.waiting("h") and presence.has("h") is False
+        presence.end_pass()
+        clock.t += 0.1
+        lying.answer("lookup", pending())
+        presence.ask(["h"], ahead={"h"})
+        assert presence.waiting("h")
+        presence.end_pass()
+        clock.t += 0.1
+        lying.answer("lookup", present(60.0))
+        presence.ask(["h"], ahead={"h"})
+        assert presence.has("h") and not presence.waiting("h")
+        assert presence.claim("h") is True
+        presence.end_pass()
+
+        # Pending once, then unknown: its encode failed, so it is absent (the request fails
+        # and is sent again with pixels), not waited for until `wait_s`.
+        lying.answer("lookup", pending())
+        presence.ask(["g"], ahead={"g"})
+        assert presence.waiting("g")
+        presence.end_pass()
+        clock.t += 0.1
+        lying.answer("lookup", absent())
+        presence.ask(["g"], ahead={"g"})
+        assert not presence.waiting("g") and presence.has("g") is False
+    finally:
+        client.close()
+
+
+def test_an_item_named_ahead_that_never_arrives_is_absent_after_its_wait(lying):
+    """An item named ahead that its service never comes to know is given up `wait_s` after the
+    first lookup, as an item kept pending is."""
+    clock = Clock()
+    lying.answer("lookup", absent())
+    client = client_for(lying.url)
+    presence = Presence(client, clock=clock, wait_s=5.0)
+    try:
+        presence.ask(["h"], ahead={"h"})
+        assert presence.waiting("h")
+        presence.end_pass()
+        clock.t += 4.9
+        presence.ask(["h"], ahead={"h"})
+        assert presence.waiting("h")
+        presence.end_pass()
+        clock.t += 0.2
+        presence.ask(["h"], ahead={"h"})
+        assert not presence.waiting("h") and presence.has("h") is False
     finally:
         client.close()
 
