@@ -53,9 +53,10 @@ class Retry:
     body: Callable[[], bytes]
 
 
-# With items named ahead of their encode: given the engine's answer, None (it stands) or the
-# body (and its second form) to send instead.
-Settle = Callable[[Answer], Awaitable[tuple[bytes, Retry | None] | None]]
+# With items named ahead of their encode: given the engine's answer on its way (its headers
+# may wait for the engine to plan the request), None (it stands) or the body (and its second
+# form) to send instead.
+Settle = Callable[["asyncio.Future[Answer]"], Awaitable[tuple[bytes, Retry | None] | None]]
 
 
 class ProxyState:
@@ -84,6 +85,33 @@ class ProxyIntake(Intake):
     def error_body(self, err: RequestError) -> dict:
         # The engine's error shape (OpenAI's), with the proxy's kind as its type.
         return {"error": {"message": err.message, "type": err.kind, "code": err.status}}
+
+
+async def _settled(
+    sending: Awaitable[Answer], settle: Settle
+) -> tuple[Answer | None, tuple[bytes, Retry | None] | None]:
+    """The engine's answer and None where `settle` lets it stand; else None (that answer
+    closed) and what to send instead."""
+    task = asyncio.ensure_future(sending)
+    try:
+        instead = await settle(task)
+    except BaseException:
+        await _drop(task)
+        raise
+    if instead is None:
+        return await task, None
+    await _drop(task)
+    return None, instead
+
+
+async def _drop(sending: asyncio.Future) -> None:
+    """The engine's answer on its way, closed (the engine aborts the request) or never sent."""
+    if not sending.done():
+        sending.cancel()
+        await asyncio.wait([sending])
+    if not sending.cancelled() and sending.exception() is None:
+        with contextlib.suppress(Exception):
+            await sending.result().aclose()
 
 
 def _answered(verdict: asyncio.Future) -> bool:
@@ -125,6 +153,8 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
             "mode": config.mode,
             "encoders": {"up": up, "down": len(config.encoder_urls) - up},
             "in_flight": state.in_flight,
+            # --name-ahead in force: every encoder has said how it names items, all alike.
+            "names_ahead": state.encoders.naming() is not None,
         }
         return JSONResponse(body, status_code=503 if state.draining else 200)
 
@@ -179,12 +209,11 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
 
         upstream: Answer | None = None
         try:
-            upstream = await send(raw)
-            if settle is not None:
-                instead = await settle(upstream)
+            if settle is None:
+                upstream = await send(raw)
+            else:
+                upstream, instead = await _settled(send(raw), settle)
                 if instead is not None:
-                    await upstream.aclose()
-                    upstream = None
                     raw, again = instead
                     upstream = await send(raw)
             if again is not None and await upstream.failed_before_output():
@@ -329,12 +358,18 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         def pixels() -> bytes:
             return json.dumps(rewrite(body, media, named, config.mode, pixels_only=True)).encode()
 
-        async def settle(upstream: Answer) -> tuple[bytes, Retry | None] | None:
+        async def settle(sending: asyncio.Future[Answer]) -> tuple[bytes, Retry | None] | None:
             """None: the engine's answer stands (it answered, or the encoder holds every item
             under the proxy's names; an answer that fails before its output is then sent again
             as pixels); else the usual way's body for an encode that did not hold them. The
             encoder's refusal of an item is the client's answer."""
-            first = upstream.failed_before_output()
+
+            async def verdict() -> bool:
+                # NOTE: shielded: dropping this wait must not cancel the engine's answer.
+                answer = await asyncio.shield(sending)
+                return await asyncio.shield(answer.failed_before_output())
+
+            first = asyncio.ensure_future(verdict())
             try:
                 await asyncio.wait([encoding, first], return_when=asyncio.FIRST_COMPLETED)
                 if _answered(first):
@@ -344,9 +379,13 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
                 answers = await encoding
             except BaseException:
                 encoding.cancel()
+                first.cancel()
                 raise
-            held = sum(same_item(n, a) for n, a in zip(named, answers))
-            metrics.named_ahead.labels("held").inc(held)
+            finally:
+                if not first.done():
+                    first.cancel()  # `sending` itself is the caller's
+                    await asyncio.wait([first])
+            held = sum(map(same_item, named, answers))
             if held == len(named):
                 return None
             metrics.named_ahead.labels("redone").inc(len(named))

@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from mmferry.config import ProcessorConfig
-from mmferry.proxy.ahead import PROCESSOR, processor_config
+from mmferry.proxy.ahead import PROCESSOR, processor_config, same_item
 from mmferry.proxy.answers import BadEncoderAnswer, encode_facts, loaded_rows
 from mmferry.proxy.config import ProxyConfig
 from mmferry.proxy.media import Encoded, Media, as_pixels, client_error, names_a_part
@@ -190,6 +190,7 @@ class EncoderPool:
         for idx, result in zip(calls.values(), results):
             for i, answer in zip(idx, result):
                 done[i] = answer
+        self.metrics.named_ahead.labels("held").inc(sum(map(same_item, named, done)))
         return done
 
     def _down(self, url: str, hold_s: float = 0.0) -> None:

@@ -246,13 +246,15 @@ class Received:
 class RecordingEngine:
     """The engine's place behind a proxy: a stdlib HTTP server that keeps every request it gets
     (any method, any path) and answers `answer` (JSON, 200), or 500 to the chat requests while
-    `fail_chats` is above 0 (counting down)."""
+    `fail_chats` is above 0 (counting down); a chat request is answered `delay_s` after it
+    arrived (an engine still planning it)."""
 
     def __init__(self, answer: Any = None) -> None:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.seen: list[Received] = []
         self.fail_chats = 0
+        self.delay_s = 0.0
         self.answer = json.dumps(answer if answer is not None else {"id": "recorded"}).encode()
         engine = self
 
@@ -260,6 +262,8 @@ class RecordingEngine:
             def handle_any(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 engine.seen.append(Received(self.command, self.path, body))
+                if self.path.endswith("/chat/completions"):
+                    time.sleep(engine.delay_s)
                 if engine.fail_chats > 0 and self.path.endswith("/chat/completions"):
                     engine.fail_chats -= 1
                     self.send_response(500)
