@@ -372,6 +372,56 @@ def test_vllm_waits_for_rows_its_encoder_is_still_encoding(stack):
 
 
 @only_qwen2_5
+def test_vllm_plans_items_the_proxy_named_and_waits_for_their_rows(stack):
+    """`--name-ahead`: the proxy names each image itself and vLLM gets the request beside the
+    encode; the encoder's tower is held back 3 s here, so vLLM plans the request before the
+    encoder holds the items: its connector waits for them and vLLM answers its own tokens,
+    streamed or not, with nothing sent again."""
+    from tests.proxy.procs import Proc
+
+    urls = [e.url for e in stack.encoders]
+    k = 1
+    slow_url = urls[k]
+    f = stack.factor
+    routed = [
+        p
+        for p in (image(2 * f, 3 * f, s) for s in range(700, 900))
+        if first_choice(urls, image_part(p)) == slow_url
+    ]
+    requests = [
+        [image_part(routed[0]), image_part(routed[1]), TEXT],
+        [image_part(routed[2]), TEXT],
+    ]
+    wants = [reference(stack, content) for content in requests]
+    original = stack.encoders[k]
+    original.stop()
+    slow = Proc([*original.args, "--batch-wait-ms", "3000"]).start()
+    assert slow.url == slow_url
+    front = None
+    try:
+        front = proxy(stack.vllm.url, urls, "connector", "--name-ahead").start()
+        deadline = time.monotonic() + 60
+        while not httpx.get(f"{front.url}/health", timeout=10).json()["names_ahead"]:
+            assert time.monotonic() < deadline, "the proxy never named items ahead"
+            time.sleep(0.1)
+        for stream, content, want in zip((False, True), requests, wants):
+            started = time.monotonic()
+            chat(front.url, stack.model, content, stream=stream).same_as(want)
+            assert time.monotonic() - started >= 3.0  # the rows were waited for
+        assert scrape(front.url, "mmferry_proxy_named_ahead_total", outcome="held") == 3
+        assert scrape(front.url, "mmferry_proxy_named_ahead_total", outcome="redone") == 0
+        assert scrape(front.url, "mmferry_proxy_items_fallback_total") == 0
+        assert scrape(slow.url, "mmferry_cache_lookups_total", answer="pending") > 0
+        assert scrape(slow.url, "mmferry_cache_lookups_total", answer="present") > 0
+        assert scrape(slow.url, "mmferry_encoded_items_total") == 3
+    finally:
+        if front is not None:
+            front.stop()
+        slow.stop()
+        original.start()
+
+
+@only_qwen2_5
 def test_items_vllm_cannot_find_are_sent_again_as_pixels(stack):
     """Connector mode: an encoder says it holds each item, but vLLM's connector finds them on
     no encoder (the one that held them died or dropped them between the encode and vLLM's
