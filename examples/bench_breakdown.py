@@ -56,7 +56,7 @@ def snapshot(s: Setup) -> dict[str, float]:
     groups = [(VLLM, [s.llm.url])]
     if s.key == "b":
         groups.append((ENCODER_VLLM, [e.url for e in s.encoders]))
-    if s.key in ("c", "ca", "c'"):
+    if s.key in ("c", "ca", "cn", "c'"):
         groups.append((PROXY, [s.url]))
         alive = [e.url for e in s.encoders if e.proc is not None and e.proc.poll() is None]
         groups.append((SERVICE, alive))
@@ -86,7 +86,7 @@ def breakdown(setups: list[Setup], model: Path, args: argparse.Namespace) -> dic
 
     out: dict[str, Any] = {}
     for s in setups:
-        if s.key not in ("a", "b", "c", "ca"):
+        if s.key not in ("a", "b", "c", "ca", "cn"):
             continue
         bodies = []
         for i in range(args.breakdown):

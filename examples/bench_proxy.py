@@ -7,7 +7,9 @@ Starts every process itself, on loopback (examples/bench_setups.py): (a) a plain
 (b) vLLM's encoder disaggregation (two encoder-only vLLMs, a PD vLLM, ECExampleConnector, the
 front of vLLM's example), (c) two `mmferry serve` encoders, a vLLM with MmferryECConnector and
 `mmferry proxy --mode connector`, (ca) the same with `--encode-ahead` (the request forwarded once
-its items are preprocessed, the towers running meanwhile), (c') the same in embeds mode;
+its items are preprocessed, the towers running meanwhile), (cn) the same with `--name-ahead` (the
+proxy names each image from its header and forwards the request beside the encode), (c') the
+same in embeds mode;
 `--setups` picks some. The
 checkpoint: the tests' tiny Qwen2.5-VL (encoding almost free: the figures are what the path
 costs), "heavy" (the same with a deeper, wider tower: encoding a visible part of TTFT), or a

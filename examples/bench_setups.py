@@ -9,6 +9,8 @@
     ca  the same with `mmferry proxy --encode-ahead`: the encoders answer once the items are
         preprocessed, and vLLM reads the request while the towers run ((c) forwards a
         request once its rows are held)
+    cn  the same with `mmferry proxy --name-ahead`: the proxy names each image from its header
+        and sends the request to vLLM beside the encode, vLLM's connector waiting for the rows
     c'  mmferry, embeds mode: two more encoders, a vLLM without a connector, `mmferry proxy
         --mode embeds` (the rows travel through the proxy)
 
@@ -45,6 +47,7 @@ SETUPS = {
     "b": "vLLM EPD (ECExampleConnector)",
     "c": "mmferry, connector mode",
     "ca": "mmferry, connector mode, --encode-ahead",
+    "cn": "mmferry, connector mode, --name-ahead",
     "c'": "mmferry, embeds mode",
 }
 ENCODERS = 2  # per disaggregated set-up
@@ -182,17 +185,33 @@ def start_setup(key: str, model: Path, work: Path, procs: list) -> Setup:
         start([front], procs)
         counts = lambda: epd_counts(front, folder)  # noqa: E731
         return Setup(key, front.url, [*mine, pd, front], mine, pd, counts)
-    mode = {"c": "connector", "ca": "connector", "c'": "embeds"}[key]
+    mode = {"c": "connector", "ca": "connector", "cn": "connector", "c'": "embeds"}[key]
     ports = [free_port() for _ in range(ENCODERS)]
     encs = [encoder(model, port) for port in ports]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     (work / "llm").mkdir()
     llm = VllmServer(model, work / "llm", {"urls": urls} if mode == "connector" else None)
     start([*encs, llm], procs)
-    front = proxy(llm.url, urls, mode, *(["--encode-ahead"] if key == "ca" else []))
+    flags = {"ca": ["--encode-ahead"], "cn": ["--name-ahead"]}.get(key, [])
+    front = proxy(llm.url, urls, mode, *flags)
     start([front], procs)
+    if key == "cn":
+        names_ahead(front.url)
     counts = lambda: mmferry_counts(front, encs)  # noqa: E731
     return Setup(key, front.url, [*encs, llm, front], encs, llm, counts)
+
+
+def names_ahead(url: str, timeout_s: float = 60) -> None:
+    """Waits until the proxy at `url` has learnt its encoders' settings (--name-ahead)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while not httpx.get(f"{url}/health", timeout=10).json()["names_ahead"]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the proxy at {url} never named items ahead")
+        time.sleep(0.1)
 
 
 def leftover_shm(setups: list[Setup]) -> list[str]:
