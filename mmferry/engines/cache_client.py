@@ -156,18 +156,23 @@ class CacheClient:
             raise ServiceUnavailable(f"{route}: {r.status_code} {r.text[:200]}")
         return r
 
-    def lookup_pins(self, hashes: list[str]) -> list[float | None]:
+    def lookup_pins(self, hashes: list[str], wait_s: float = 0.0) -> list[float | None]:
         """Seconds from when the lookup was sent that the service keeps each hash pinned for
         this caller; 0.0 for a hash it does not hold; None for one it is still encoding (it
-        answered the encode before the rows: ask again)."""
-        return self._within(self.lookup_timeout_s, self._lookup, list(hashes))
+        answered the encode before the rows: ask again). With `wait_s`, while none is held the
+        service answers once one is, or an encode of one begins or ends, or `wait_s` passed."""
+        wait_ms = round(wait_s * 1000)
+        return self._within(self.lookup_timeout_s + wait_s, self._lookup, list(hashes), wait_ms)
 
     def lookup(self, hashes: list[str]) -> list[bool]:
         """Which hashes the service holds (and has now pinned for this caller)."""
         return [bool(s) for s in self.lookup_pins(hashes)]
 
-    def _lookup(self, hashes: list[str]) -> list[float | None]:
-        r = self._post("/v1/cache/lookup", {"hashes": hashes})
+    def _lookup(self, hashes: list[str], wait_ms: int = 0) -> list[float | None]:
+        body: dict[str, Any] = {"hashes": hashes}
+        if wait_ms:
+            body["wait_ms"] = wait_ms
+        r = self._post("/v1/cache/lookup", body)
         try:
             doc = strict_json(r.content)
         except ValueError as e:

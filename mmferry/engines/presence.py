@@ -92,12 +92,15 @@ class Presence:
         it has not been waited for longer than `wait_s`): its request is to be deferred."""
         return identifier in self._waiting
 
-    def ask(self, identifiers: list[str], ahead: Collection[str] = ()) -> None:
+    def ask(self, identifiers: list[str], ahead: Collection[str] = (), wait_s: float = 0.0) -> None:
         """Ask the service about every item of `identifiers` not already answered in this
         pass or trusted, in one lookup; `has` then answers from what it said. A request's
         items are asked together, so the scheduler waits one round trip per service, not one
         per item. `ahead`: items named before the service read them (waited for while it does
-        not know them yet)."""
+        not know them yet). `wait_s`: the items are being waited for and the engine has nothing
+        else to do: asked now, whatever the gap, and the service answers once one is held or
+        an encode of one begins or ends (at most `wait_s`), instead of the engine asking again
+        every pass."""
         now = self._clock()
         self._expire(now)
         unknown = []
@@ -111,7 +114,7 @@ class Presence:
             if any(identifier in a for a in answered):
                 continue
             entry = self._pending.get(identifier)
-            if entry is not None and now < entry[1]:
+            if entry is not None and now < entry[1] and not wait_s:
                 self._waiting.add(identifier)  # said pending a moment ago
                 continue
             unknown.append(identifier)
@@ -119,7 +122,10 @@ class Presence:
             return
         sent = self._clock()
         try:
-            pins = self.client.lookup_pins(unknown)
+            if wait_s:
+                pins = self.client.lookup_pins(unknown, wait_s)
+            else:  # NOTE: a store's reader is asked without a wait (it takes none)
+                pins = self.client.lookup_pins(unknown)
             if len(pins) != len(unknown):
                 raise ValueError(f"{len(pins)} answers for {len(unknown)} hashes")
         except Exception as e:  # noqa: BLE001 - any failure of the service is "absent"

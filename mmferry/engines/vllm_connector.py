@@ -15,7 +15,10 @@ open), checks each item's rows against what the model takes (`[planned tokens, h
 deepstack levels)]` in the model's dtype) and copies them once onto its device. A request whose
 item a service is still encoding (`mmferry proxy --encode-ahead` forwards a request once its
 items are preprocessed, and the tower runs meanwhile) is deferred to a later step, for at most
-`timeout_s` from the first such answer. An item the
+`timeout_s` from the first such answer; so is one the proxy named ahead of its encode
+(`<hash>@<key>+<rank>`, `mmferry proxy --name-ahead`: the request reaches vLLM beside the encode)
+while the encoder it went to (that rank among the key's choices, asked first) does not know it
+yet. An item the
 service lacks, and any lookup that fails (service down or restarting, late, or answering
 something else than the protocol), is reported absent, and vLLM encodes that item itself, so
 such a request must carry pixels too. A request that carries only an item's grid (no pixels
@@ -74,6 +77,9 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 # How long a worker keeps asking a service that does not answer before it asks the item's next
 # service: a service that restarted has lost its rows, so waiting longer only stalls the step.
 UNREACHABLE_S = 2.0
+# The longest a scheduler step with nothing to run waits for the rows its deferred requests
+# wait for (build_connector_meta), rather than vLLM's engine loop stepping again at once.
+WATCH_S = 0.01
 EXTRA_KEYS = ("url", "urls", "api_key", "transport", "timeout_s", "lookup_timeout_s")
 STORE_KEYS = ("store", "store_model", "store_family", "store_dtype", "store_lease_s")
 
@@ -226,6 +232,7 @@ class MmferryECConnector(ECConnectorBase):
             self._store_presence = Presence(self._store)
         self._to_load: dict[str, int] = {}
         self._unavailable: set[str] = set()  # requests to fail: an item nobody can supply
+        self._deferred: list[str] = []  # items whose requests this pass deferred
 
     # -- scheduler side -------------------------------------------------------------------
 
@@ -246,6 +253,7 @@ class MmferryECConnector(ECConnectorBase):
                 continue
             if self._waiting(identifier):
                 deferred = True
+                self._deferred.append(identifier)
                 continue
             if request.request_id not in self._unavailable:
                 log.warning(
@@ -271,14 +279,16 @@ class MmferryECConnector(ECConnectorBase):
             order.insert(0, order.pop(ahead))
         return order
 
-    def _ask(self, identifiers: list[str]) -> None:
+    def _ask(self, identifiers: list[str], wait_s: float = 0.0) -> None:
         """A request's items asked of their first-choice services (and the store) together,
         the services side by side: one round trip in the scheduler's step rather than one per
-        item. An item its first choice lacks is asked of the next ones by `has_cache_item`."""
+        item. An item its first choice lacks is asked of the next ones by `has_cache_item`.
+        `wait_s`: items waited for, asked of their services only, each answering once one is
+        held or an encode of one begins or ends (Presence.ask)."""
         if not identifiers:
             return
         items = [parse_item_name(i) for i in identifiers]
-        if self._store_presence is not None:
+        if self._store_presence is not None and not wait_s:
             # As `has_cache_item`: an item the store holds is not asked of (nor pinned by) a
             # service.
             self._store_presence.ask([item for item, _, _ in items])
@@ -291,10 +301,10 @@ class MmferryECConnector(ECConnectorBase):
                 ahead.add(item)
         asks = [(self._presences[url], hashes) for url, hashes in by_url.items()]
         if len(asks) == 1:
-            asks[0][0].ask(asks[0][1], ahead)
+            asks[0][0].ask(asks[0][1], ahead, wait_s)
             return
         # Presence.ask never raises; each service has its own client.
-        list(self._asking.map(lambda a: a[0].ask(a[1], ahead), asks))
+        list(self._asking.map(lambda a: a[0].ask(a[1], ahead, wait_s), asks))
 
     def take_unavailable_requests(self) -> set[str]:
         failed, self._unavailable = self._unavailable, set()
@@ -329,11 +339,22 @@ class MmferryECConnector(ECConnectorBase):
         self._to_load.clear()
         self._planned.clear()
         self._owners.clear()
+        self._end_pass()
+        deferred, self._deferred = self._deferred, []
+        if deferred and not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
+            # NOTE: a step with nothing to run while requests wait for their rows: vLLM's
+            # engine loop would step again at once, a core spinning beside the encoders it
+            # waits for; instead the step waits (up to WATCH_S) for their services to hold
+            # one or to begin or end an encode. A request that arrives meanwhile waits as long.
+            self._ask(deferred, wait_s=WATCH_S)
+            self._end_pass()
+        return meta
+
+    def _end_pass(self) -> None:
         for presence in self._presences.values():
             presence.end_pass()
         if self._store_presence is not None:
             self._store_presence.end_pass()
-        return meta
 
     # -- worker side ----------------------------------------------------------------------
 

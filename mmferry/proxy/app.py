@@ -10,7 +10,9 @@ is a request admitted (past `--max-in-flight`, 503 with Retry-After). A request 
 until its answer has been streamed out, so SIGTERM drains streams too. A client that leaves
 before its answer starts cancels its request (server/disconnect.py, counted as 499): the
 encoders' requests and the engine's are closed, also while a stream is held back before its
-first token. Refusals take the engine's error shape (OpenAI's).
+first token. Refusals take the engine's error shape (OpenAI's). With `--name-ahead` a request
+whose images the proxy names itself (ahead.py) goes to the engine beside their encode, and the
+engine's answer is settled by the encode's before it is streamed.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from mmferry.proxy.ahead import INLINE_CHARS, name_items, nameable, payload_char
 from mmferry.proxy.config import ProxyConfig
 from mmferry.proxy.encoders import EncoderPool
 from mmferry.proxy.forward import Answer, Upstream, relay, response_headers
-from mmferry.proxy.media import as_pixels, by_reference, find_media, rewrite
+from mmferry.proxy.media import Media, as_pixels, by_reference, find_media, rewrite
 from mmferry.proxy.metrics import ProxyMetrics
 from mmferry.proxy.paths import CanonicalPaths, engine_path, refused_route
 from mmferry.server.app import import_fastapi
@@ -256,9 +258,10 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         admit()
         settle = None
         try:
-            named = await _named_body(body)
+            media = find_media(body, state.policy, config.allow_client_embeds)
+            named = await _named_body(body, media)
             if named is None:
-                raw, again = await _encoded_body(body)
+                raw, again = await _encoded_body(body, media)
             else:
                 raw, again, settle = named
         except BaseException:
@@ -310,10 +313,9 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         intake.count(request, answer.status_code)
         return answer
 
-    async def _encoded_body(body: Any) -> tuple[bytes, Retry | None]:
-        """The chat body with its media encoded and rewritten (as it came when it has none),
+    async def _encoded_body(body: Any, media: list[Media]) -> tuple[bytes, Retry | None]:
+        """The chat body with its `media` encoded and rewritten (as it came when it has none),
         and, when some items go by reference, how to send it with pixels instead."""
-        media = find_media(body, state.policy, config.allow_client_embeds)
         if not media:
             return json.dumps(body).encode(), None
         answers = await state.encoders.encode(media)
@@ -329,15 +331,12 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
 
         return raw, Retry(n, pixels)
 
-    async def _named_body(body: Any) -> tuple[bytes, Retry, Settle] | None:
+    async def _named_body(body: Any, media: list[Media]) -> tuple[bytes, Retry, Settle] | None:
         """With --name-ahead: the chat body with its images named by the proxy, their encode
         started beside it, and how to settle the engine's answer once that encode has
         answered; None when the request goes the usual way (ahead.py says which do)."""
         cfg = state.encoders.naming()
-        if cfg is None:
-            return None
-        media = find_media(body, state.policy, config.allow_client_embeds)
-        if not media or not nameable(media):
+        if cfg is None or not media or not nameable(media):
             return None
         if payload_chars(media) > INLINE_CHARS:
             named = await asyncio.to_thread(name_items, media, cfg)
@@ -395,7 +394,7 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
                 len(named) - held,
                 len(named),
             )
-            return await _encoded_body(body)
+            return await _encoded_body(body, media)
 
         return raw, Retry(len(media), pixels), settle
 

@@ -20,7 +20,13 @@ behind the answer, so that the engine reads the request while the tower runs: a 
 still being encoded answers `pending` (ask again), then present once its rows are held, or absent
 if its encode failed. The items still count in `--max-queue` and the drain until encoded. A
 service that serves its model through the generic family (the engine plans such items from their
-pixels) waits anyway.
+pixels) waits anyway. With `"announced"` (one `{"hash", "grid_thw"}` per part: the names a router
+gave the items itself, `mmferry proxy --name-ahead`, before this service read them, while the
+engine may already be asking) those names are pending to lookups from the moment the body is
+read; an item is held under its name only where the service's own facts are the name's (else
+`held` false, its name goes absent, and `mmferry_errors_total{kind="announced_differs"}` counts
+it). `GET /v1/cache/processor` answers the settings items are named by (`{"processor": {...}}`,
+None for the generic family), behind the API key.
 
 Every route reads its request through `intake.py`, as /v1/encode does (API key, content type,
 body limit and deadline, the drain, the same errors); a malformed field is a 422. The caller is
@@ -28,20 +34,23 @@ the `X-Mmferry-Caller` header (an opaque id of up to 128 printable ASCII charact
 from a connector's scheduler and worker), else the client's address.
 
 Bodies:
-    lookup  {"hashes": [h, ...]}
+    lookup  {"hashes": [h, ...], "wait_ms": 0}  (with wait_ms, while none is held the answer
+            waits up to that long for one to be held or any item's encode to begin or end)
             -> {"present": [bool, ...], "pinned_s": [seconds left, 0.0 when absent, ...],
                 "pending": [bool: absent now, being encoded: ask again, ...]}
     load    {"hashes": [h, ...], "dtype": "float32", "response": "safetensors" | "shm"}
             -> safetensors with one tensor per hash (`[tokens, out * (1 + levels)]`, i.e.
                `[main | ds0 | ds1 ...]`), or {"items": {h: shm handle}}; 404 naming what is gone;
                the caller's pins on them are released
-    encode  as /v1/encode, and "wait": bool (true)      -> {"items": [facts, ...]}
+    encode  as /v1/encode, and "wait": bool (true), "announced": [{"hash", "grid_thw"}, ...]
+            -> {"items": [facts, ...]}
             facts: modality, hash, grid_thw, num_tokens, timestamps, second_per_grid_t, held
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import heapq
 import logging
@@ -120,6 +129,7 @@ class Pins:
         self._count = 0
         # Items answered before their rows (`"wait": false`): encode calls still running per key.
         self._encoding: Counter[str] = Counter()
+        self._watchers: list[asyncio.Future] = []  # lookups waiting for a change (changed())
         # (deadline, key, caller), oldest first; entries of released pins are skipped.
         self._deadlines: list[tuple[float, str, str]] = []
 
@@ -238,6 +248,7 @@ class Pins:
     def begin_encoding(self, keys: list[str]) -> None:
         """`keys` are being encoded behind an answer already given: lookups say "pending"."""
         self._encoding.update(keys)
+        self._notify()
 
     def end_encoding(self, keys: list[str]) -> None:
         """Their encode ended (rows held, or failed): lookups answer present or absent again."""
@@ -245,6 +256,22 @@ class Pins:
         for key in keys:
             if self._encoding[key] <= 0:
                 del self._encoding[key]
+        self._notify()
+
+    def changed(self) -> asyncio.Future:
+        """Done at the next change of what lookups would answer about items being encoded
+        (one began, or ended, or rows were held); on the event loop, as every change is."""
+        future = asyncio.get_running_loop().create_future()
+        if len(self._watchers) >= 64:  # waits that timed out, until the next change
+            self._watchers = [f for f in self._watchers if not f.done()]
+        self._watchers.append(future)
+        return future
+
+    def _notify(self) -> None:
+        watchers, self._watchers = self._watchers, []
+        for future in watchers:
+            if not future.done():
+                future.set_result(None)
 
     def pending(self, key: str) -> bool:
         """Whether `key` is still being encoded behind an answer already given."""
@@ -256,6 +283,7 @@ class Pins:
         now = time.monotonic() if now is None else now
         self._expire(now)
         left, _ = self._pin(key, HANDOVER, now, None, fresh=out)
+        self._notify()
         return left > 0 or self.cache.peek(key) is not None
 
     def take_all(
@@ -373,6 +401,17 @@ def _as_announced(item: Any, announced: tuple[str, list[int]]) -> bool:
     return not pixels and (item.hash, grid) == tuple(announced)
 
 
+MAX_WAIT_MS = 1000  # a lookup's longest wait for a change
+
+
+def _wait_ms(body: Any) -> int:
+    wait = body.get("wait_ms", 0) if isinstance(body, dict) else 0
+    if not isinstance(wait, int) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT_MS:
+        msg = f"'wait_ms' must be a whole number of milliseconds from 0 to {MAX_WAIT_MS}"
+        raise RequestError(422, "bad_request", msg)
+    return wait
+
+
 def _wait(body: Any) -> bool:
     wait = body.get("wait", True) if isinstance(body, dict) else True
     if not isinstance(wait, bool):
@@ -399,8 +438,26 @@ def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
 
     async def lookup(request: Any, body: Any) -> Any:
         hashes = _hashes(body)
-        left = pins.lookup(hashes, caller_of(request))
-        pending = [s <= 0 and pins.pending(h) for h, s in zip(hashes, left)]
+        wait_s = _wait_ms(body) / 1000
+        caller = caller_of(request)
+
+        def answers() -> tuple[list[float], list[bool]]:
+            left = pins.lookup(hashes, caller)
+            return left, [s <= 0 and pins.pending(h) for h, s in zip(hashes, left)]
+
+        left, pending = answers()
+        if wait_s > 0 and not any(s > 0 for s in left):
+            # Nothing held yet: the answer waits for one to be held or for any item's encode
+            # to begin or end (a connector whose engine has nothing else to do asks so,
+            # rather than asking again every scheduler pass).
+            deadline = time.monotonic() + wait_s
+            before = pending
+            while (remaining := deadline - time.monotonic()) > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(pins.changed(), remaining)
+                left, pending = answers()
+                if any(s > 0 for s in left) or pending != before:
+                    break
         present = sum(s > 0 for s in left)
         service.metrics.lookups.labels("present").inc(present)
         service.metrics.lookups.labels("pending").inc(sum(pending))

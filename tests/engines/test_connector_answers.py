@@ -246,6 +246,30 @@ def test_an_item_named_ahead_is_waited_for_until_its_encoder_has_read_it(lying):
         client.close()
 
 
+def test_an_item_waited_for_is_asked_with_a_wait_whatever_the_gap(lying):
+    """`wait_s` (the engine has nothing else to run): a waiting item is asked again at once,
+    inside its gap, and the lookup carries the wait for the service to answer at a change."""
+    clock = Clock()
+    lying.answer("lookup", pending())
+    client = client_for(lying.url)
+    presence = Presence(client, clock=clock, wait_s=5.0)
+    try:
+        presence.ask(["h"])
+        assert presence.waiting("h")
+        presence.end_pass()
+        presence.ask(["h"])  # within its gap: not asked
+        assert len(lying.calls("lookup")) == 1
+        presence.end_pass()
+        lying.answer("lookup", present(60.0))
+        presence.ask(["h"], wait_s=0.01)
+        assert [b.get("wait_ms") for _, b in lying.calls("lookup")] == [None, 10]
+        presence.end_pass()
+        assert presence.has("h") and presence.claim("h")  # trusted from the waiting lookup
+        assert len(lying.calls("lookup")) == 2
+    finally:
+        client.close()
+
+
 def test_an_item_named_ahead_that_never_arrives_is_absent_after_its_wait(lying):
     """An item named ahead that its service never comes to know is given up `wait_s` after the
     first lookup, as an item kept pending is."""

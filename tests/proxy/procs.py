@@ -142,6 +142,33 @@ class VllmServer:
         return scrape(self.url, name, **labels)
 
 
+def cpu_seconds(pid: int, named: str | None = None) -> float:
+    """CPU time (user and system) used so far by `pid` and every process under it (/proc),
+    or only by those of them whose command name is `named`."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rindex(")") + 2 :].split()
+        names[int(name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
+        parents[int(name)] = int(fields[1])
+        ticks[int(name)] = int(fields[11]) + int(fields[12])  # utime, stime
+    tree, grew = {pid}, True
+    while grew:
+        below = {p for p, parent in parents.items() if parent in tree} - tree
+        tree |= below
+        grew = bool(below)
+    tree = {p for p in tree if named is None or names.get(p) == named}
+    return sum(ticks.get(p, 0) for p in tree) / os.sysconf("SC_CLK_TCK")
+
+
 def send_json(handler: Any, body: bytes) -> None:
     """A 200 JSON answer from a stdlib handler (the tests' recording upstreams)."""
     handler.send_response(200)

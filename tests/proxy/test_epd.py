@@ -21,7 +21,7 @@ from tests.engines.lying_service import LyingService, js, raw, rows
 from tests.engines.service import free_port
 from tests.engines.tiny_vlm import VIDEO_FPS, gradient, image, video
 from tests.proxy.conftest import Answer, chat, chat_body, first_choice, image_part, video_part
-from tests.proxy.procs import proxy, scrape
+from tests.proxy.procs import cpu_seconds, proxy, scrape
 
 pytestmark = pytest.mark.slow
 TEXT = {"type": "text", "text": "describe the image"}
@@ -397,6 +397,7 @@ def test_vllm_plans_items_the_proxy_named_and_waits_for_their_rows(stack):
     original.stop()
     slow = Proc([*original.args, "--batch-wait-ms", "3000"]).start()
     assert slow.url == slow_url
+    others = sum(encoded(urls))  # the slow one starts with none
     front = None
     try:
         front = proxy(stack.vllm.url, urls, "connector", "--name-ahead").start()
@@ -405,15 +406,22 @@ def test_vllm_plans_items_the_proxy_named_and_waits_for_their_rows(stack):
             assert time.monotonic() < deadline, "the proxy never named items ahead"
             time.sleep(0.1)
         for stream, content, want in zip((False, True), requests, wants):
-            started = time.monotonic()
+            engine = lambda: cpu_seconds(stack.vllm.proc.pid, "VLLM::EngineCor")  # noqa: E731
+            started, cpu = time.monotonic(), engine()
             chat(front.url, stack.model, content, stream=stream).same_as(want)
-            assert time.monotonic() - started >= 3.0  # the rows were waited for
+            waited = time.monotonic() - started
+            assert waited >= 3.0  # the rows were waited for
+            # ... without vLLM's engine loop stepping at once again and again meanwhile (a
+            # core): its steps with nothing to run wait for the encoder's change instead.
+            # (Its worker process polls for steps for 1 s after each, whatever the steps.)
+            assert engine() - cpu < 0.3 * waited
         assert scrape(front.url, "mmferry_proxy_named_ahead_total", outcome="held") == 3
         assert scrape(front.url, "mmferry_proxy_named_ahead_total", outcome="redone") == 0
         assert scrape(front.url, "mmferry_proxy_items_fallback_total") == 0
         assert scrape(slow.url, "mmferry_cache_lookups_total", answer="pending") > 0
         assert scrape(slow.url, "mmferry_cache_lookups_total", answer="present") > 0
-        assert scrape(slow.url, "mmferry_encoded_items_total") == 3
+        # Each item encoded once (bounded load may pass one to its next encoder).
+        assert sum(encoded(urls)) - others == 3
     finally:
         if front is not None:
             front.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -178,3 +179,51 @@ def test_a_named_item_whose_read_fails_goes_absent(client):
         "pinned_s": [0.0],
         "pending": [False],
     }
+
+
+def test_a_waiting_lookup_answers_at_the_change_not_at_its_deadline(client):
+    """`wait_ms`: a lookup of items none of which is held answers once one's encode begins (a
+    named item read), once its rows are held, or at the deadline when nothing changes; one
+    held already answers at once."""
+    service = client.service
+    image = png(48, 52, 6)
+    h, grid = encoded_image_facts(image, _settings(client))
+    let_go = threading.Event()
+    prepare = service.prepare
+
+    async def held_back(*args, **kwargs):
+        await asyncio.to_thread(let_go.wait, 60)
+        return await prepare(*args, **kwargs)
+
+    def waiting(wait_ms: int) -> tuple[dict, float]:
+        started = time.monotonic()
+        r = client.post("/v1/cache/lookup", json={"hashes": [h], "wait_ms": wait_ms})
+        assert r.status_code == 200, r.text
+        return r.json(), time.monotonic() - started
+
+    answer, took = waiting(300)  # nothing happens: the deadline
+    assert answer["present"] == [False] and answer["pending"] == [False]
+    assert 0.3 <= took < 5
+    service.prepare = held_back
+    body = {"content": [_part(image)], "announced": [{"hash": h, "grid_thw": list(grid)}]}
+    with ThreadPoolExecutor(2) as pool:
+        looked = pool.submit(waiting, 1000)
+        time.sleep(0.2)  # the lookup waits first
+        encoded = pool.submit(client.post, "/v1/cache/encode", json=body)
+        answer, took = looked.result(timeout=60)
+        assert answer["pending"] == [True] and took < 1.0  # the named item was read
+        looked = pool.submit(waiting, 1000)
+        time.sleep(0.2)
+        let_go.set()
+        answer, took = looked.result(timeout=60)
+        assert answer["present"] == [True]
+        assert encoded.result(timeout=60).status_code == 200
+    started = time.monotonic()
+    assert waiting(1000)[0]["present"] == [True] and time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize("wait_ms", [-1, 1001, 2.5, True, "10"])
+def test_a_bad_wait_is_refused(client, wait_ms):
+    r = client.post("/v1/cache/lookup", json={"hashes": ["h"], "wait_ms": wait_ms})
+    assert r.status_code == 422, r.text
+    assert "wait_ms" in r.json()["error"]["message"]
