@@ -61,6 +61,19 @@ def _lookup(client, hashes: list[str]) -> dict:
     return r.json()
 
 
+def _hold_back(service: EncoderService) -> threading.Event:
+    """The service's preprocessing held back until the returned event is set."""
+    let_go = threading.Event()
+    prepare = service.prepare
+
+    async def held_back(*args, **kwargs):
+        await asyncio.to_thread(let_go.wait, 60)
+        return await prepare(*args, **kwargs)
+
+    service.prepare = held_back
+    return let_go
+
+
 def _settings(client):
     r = client.get("/v1/cache/processor")
     assert r.status_code == 200, r.text
@@ -85,17 +98,9 @@ def test_named_items_are_pending_from_the_read_then_held(client):
     """The lookup of an announced name says pending while its item is still being read and
     preprocessed (preprocessing held back here), then present: the engine that already has
     the request waits rather than failing it."""
-    service = client.service
     image = png(60, 40, 2)
     h, grid = encoded_image_facts(image, _settings(client))
-    let_go = threading.Event()
-    prepare = service.prepare
-
-    async def held_back(*args, **kwargs):
-        await asyncio.to_thread(let_go.wait, 60)
-        return await prepare(*args, **kwargs)
-
-    service.prepare = held_back
+    let_go = _hold_back(client.service)
     body = {"content": [_part(image)], "announced": [{"hash": h, "grid_thw": list(grid)}]}
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(client.post, "/v1/cache/encode", json=body)
@@ -185,15 +190,8 @@ def test_a_waiting_lookup_answers_at_the_change_not_at_its_deadline(client):
     """`wait_ms`: a lookup of items none of which is held answers once one's encode begins (a
     named item read), once its rows are held, or at the deadline when nothing changes; one
     held already answers at once."""
-    service = client.service
     image = png(48, 52, 6)
     h, grid = encoded_image_facts(image, _settings(client))
-    let_go = threading.Event()
-    prepare = service.prepare
-
-    async def held_back(*args, **kwargs):
-        await asyncio.to_thread(let_go.wait, 60)
-        return await prepare(*args, **kwargs)
 
     def waiting(wait_ms: int) -> tuple[dict, float]:
         started = time.monotonic()
@@ -204,7 +202,7 @@ def test_a_waiting_lookup_answers_at_the_change_not_at_its_deadline(client):
     answer, took = waiting(300)  # nothing happens: the deadline
     assert answer["present"] == [False] and answer["pending"] == [False]
     assert 0.3 <= took < 5
-    service.prepare = held_back
+    let_go = _hold_back(client.service)
     body = {"content": [_part(image)], "announced": [{"hash": h, "grid_thw": list(grid)}]}
     with ThreadPoolExecutor(2) as pool:
         looked = pool.submit(waiting, 1000)
