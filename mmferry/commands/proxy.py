@@ -50,8 +50,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="connector mode: the encoders answer once the items are preprocessed and the "
         "engine reads the request while their towers run (its connector waits for the rows); "
         "for towers on GPUs with CPU cores to spare: where the engine and the encoders share "
-        "cores, the engine's scheduler polling while it waits slows the towers (default: off, "
-        "the request goes to the engine once its rows are held)",
+        "cores, the engine polling for its next step while it waits slows the towers "
+        "(default: off, the request goes to the engine once its rows are held)",
     )
     p.add_argument(
         "--name-ahead",

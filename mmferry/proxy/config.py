@@ -21,8 +21,8 @@ class ProxyConfig:
     mode: str = "connector"
     # Connector mode: ask the encoders to answer once the items are preprocessed and encode
     # behind the answer, so the engine reads the request while the tower runs. Off by default:
-    # where the engine and the encoders share CPU cores, the engine's scheduler passing while
-    # it waits takes the towers' CPU (BENCHMARKS.md: twice the tower time on 2 cores).
+    # where the engine and the encoders share CPU cores, vLLM's worker polling for steps while
+    # it holds the request takes the towers' CPU (BENCHMARKS.md, heavy runs 4 to 6).
     encode_ahead: bool = False
     # Connector mode: name each image (hash, grid) from its header and the encoders' settings
     # and send the request to the engine beside the encode, not after it (proxy/ahead.py).

@@ -17,7 +17,7 @@ from mmferry.embed.cache import EncoderCache
 from mmferry.encoder.model import VisionOutput
 from mmferry.engines.cache_client import CacheClient, ServiceUnavailable
 from mmferry.server.client import image_part
-from mmferry.server.ec import Pins
+from mmferry.server.pins import Pins
 from tests.engines.service import Service, free_port
 from tests.engines.tiny_vlm import image
 
