@@ -122,16 +122,29 @@ class EncoderPool:
         return self._naming
 
     async def _learn_settings(self) -> None:
-        """Asks each encoder its processor settings until all have answered."""
+        """Asks each encoder its processor settings until all have answered. An encoder
+        without the route (an older one) or with an answer that is not the protocol's names no
+        items ahead: None, as a generic-family one."""
+        warned: set[str] = set()
         while len(self._settings) < len(self.router.urls):
             for url in self.router.urls:
-                if url not in self._settings:
-                    with contextlib.suppress(*self._transport_errors, ValueError):
-                        r = await self.http.get(url + PROCESSOR)
-                        if r.status_code == 200:
-                            self._settings[url] = processor_config(r.json())
-                        else:
-                            log.warning("encoder %s: %s answered %d", url, PROCESSOR, r.status_code)
+                if url in self._settings:
+                    continue
+                try:
+                    r = await self.http.get(url + PROCESSOR)
+                except self._transport_errors:
+                    continue  # down: asked again
+                if r.status_code == 200:
+                    try:
+                        self._settings[url] = processor_config(r.json())
+                    except ValueError as e:
+                        log.warning("encoder %s: %s answered %s", url, PROCESSOR, e)
+                        self._settings[url] = None
+                elif r.status_code in (404, 405):
+                    self._settings[url] = None
+                elif url not in warned:  # 401, 503 while it starts: asked again
+                    warned.add(url)
+                    log.warning("encoder %s: %s answered %d", url, PROCESSOR, r.status_code)
             if len(self._settings) < len(self.router.urls):
                 await asyncio.sleep(1.0)
         kinds = set(self._settings.values())

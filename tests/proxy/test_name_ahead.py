@@ -217,18 +217,25 @@ def test_items_the_proxy_cannot_name_go_the_usual_way(front, liar, content):
 
 
 @pytest.mark.parametrize(
-    "settings", [None, {**SETTINGS, "patch_size": 16}], ids=["generic", "different"]
+    "settings",
+    [
+        js({"processor": None}),
+        js({"processor": {**SETTINGS, "patch_size": 16}}),
+        js({"error": "no such route"}, status=404),
+    ],
+    ids=["generic", "different", "no-route"],
 )
 def test_encoders_that_name_items_otherwise_turn_naming_off(engine, settings):
-    """A generic-family encoder (the engine plans its items from pixels), or two encoders
-    whose settings differ: the proxy names nothing and says so."""
+    """A generic-family encoder (the engine plans its items from pixels), two encoders whose
+    settings differ, or an encoder without the route (an older one): the proxy names nothing
+    and says so, once."""
     with LyingService() as a, LyingService() as b:
         a.answer("processor", js({"processor": SETTINGS}))
-        b.answer("processor", js({"processor": settings}))
+        b.answer("processor", settings)
         front = proxy(engine.url, [a.url, b.url], "connector", "--name-ahead").start()
         try:
             time.sleep(1.5)
             assert httpx.get(f"{front.url}/health", timeout=10).json()["names_ahead"] is False
-            assert any("--name-ahead is off" in line for line in front.lines)
+            assert sum("--name-ahead is off" in line for line in front.lines) == 1
         finally:
             front.stop()
