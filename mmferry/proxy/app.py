@@ -342,8 +342,10 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
             named = await asyncio.to_thread(name_items, media, cfg)
         else:
             named = name_items(media, cfg)
-        urls = state.encoders.place(media) if named is not None else None
-        if named is None or urls is None:
+        if named is None:
+            return None
+        urls = state.encoders.place(media)
+        if urls is None:
             return None
         named = [
             dataclasses.replace(n, ahead=state.encoders.rank(m, u))

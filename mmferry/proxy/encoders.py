@@ -184,25 +184,14 @@ class EncoderPool:
         calls: dict[str, list[int]] = {}
         for i, url in enumerate(urls):
             calls.setdefault(url, []).append(i)
-
-        async def call(url: str, idx: list[int]) -> list[Any]:
-            try:
-                items = [media[i] for i in idx]
-                return await self._encode_on(url, items, False, [named[i].facts for i in idx])
-            except (_Failed, _Split) as e:
-                if isinstance(e, _Failed):
-                    self.metrics.encoder_failures.labels(url, e.reason).inc()
-                log.warning("encoder %s failed items named ahead (%s)", url, e)
-                return [None] * len(idx)
-            finally:
-                for _ in idx:
-                    self.router.release(url)
-
+        results = await gather_or_cancel(
+            self._call(url, [media[i] for i in idx], False, [named[i].facts for i in idx])
+            for url, idx in calls.items()
+        )
         done: list[Encoded | None] = [None] * len(media)
-        results = await gather_or_cancel(call(url, idx) for url, idx in calls.items())
         for idx, result in zip(calls.values(), results):
             for i, answer in zip(idx, result):
-                done[i] = answer
+                done[i] = None if answer is _NEXT else answer
         self.metrics.named_ahead.labels("held").inc(sum(map(same_item, named, done)))
         return done
 
@@ -287,20 +276,28 @@ class EncoderPool:
                         done[i] = answer
         return done
 
-    async def _call(self, url: str, media: list[Media], early: bool) -> list[Any]:
+    async def _call(
+        self, url: str, media: list[Media], early: bool, named: list[dict] | None = None
+    ) -> list[Any]:
         """One call's answers per item: Encoded, None (its pixels) or _NEXT (its next choice);
-        the router's count of the items routed to `url` ends with it."""
+        the router's count of the items routed to `url` ends with it. `named`: the facts the
+        proxy named the items by (`encode_named`)."""
         try:
-            return await self._attempt(url, media, early)
+            return await self._attempt(url, media, early, named)
         finally:
             for _ in media:
                 self.router.release(url)
 
-    async def _attempt(self, url: str, media: list[Media], early: bool) -> list[Any]:
+    async def _attempt(
+        self, url: str, media: list[Media], early: bool, named: list[dict] | None
+    ) -> list[Any]:
         try:
-            return await self._encode_on(url, media, early)
+            return await self._encode_on(url, media, early, named)
         except _Split:
-            one_by_one = await gather_or_cancel(self._attempt(url, [m], early) for m in media)
+            one_by_one = await gather_or_cancel(
+                self._attempt(url, [m], early, None if named is None else [named[k]])
+                for k, m in enumerate(media)
+            )
             return [answer for (answer,) in one_by_one]
         except _Failed as e:
             self.metrics.encoder_failures.labels(url, e.reason).inc()

@@ -266,10 +266,15 @@ def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
             encode_behind(items)
             with service.metrics.stage("respond"):
                 return {"items": [{**facts(it), "held": True} for it in items]}
-        outs = await service.batcher.encode(items)
+        held = await encoded_and_held(items)
         with service.metrics.stage("respond"):
-            held = {it.hash: pins.hold(it.hash, out) for it, out in zip(items, outs)}
             return {"items": [{**facts(it), "held": held[it.hash]} for it in items]}
+
+    async def encoded_and_held(items: list[Any]) -> dict[str, bool]:
+        """`items` encoded and their rows pinned for the engine that will ask: whether the
+        service holds each (by hash)."""
+        outs = await service.batcher.encode(items) if items else []
+        return {it.hash: pins.hold(it.hash, out) for it, out in zip(items, outs)}
 
     async def encode_announced(
         body: Any, announced: list[tuple[str, list[int]]], local: bool
@@ -292,10 +297,8 @@ def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
                         it.hash,
                         None if it.grid_thw is None else list(it.grid_thw),
                     )
-            todo = [it for it, ok in zip(items, same) if ok]
-            outs = await service.batcher.encode(todo) if todo else []
+            held = await encoded_and_held([it for it, ok in zip(items, same) if ok])
             with service.metrics.stage("respond"):
-                held = {it.hash: pins.hold(it.hash, out) for it, out in zip(todo, outs)}
                 return {
                     "items": [
                         {**facts(it), "held": ok and held[it.hash]} for it, ok in zip(items, same)
@@ -314,9 +317,7 @@ def add_cache_routes(app: Any, service: Any, intake: Intake) -> None:
 
         async def run() -> None:
             try:
-                outs = await service.batcher.encode(items)
-                for it, out in zip(items, outs):
-                    pins.hold(it.hash, out)
+                await encoded_and_held(items)
             except Exception as e:  # noqa: BLE001 - no client waits: lookups say absent
                 log.warning("encoding %d items behind their answer failed: %s", len(items), e)
             finally:
