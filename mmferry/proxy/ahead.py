@@ -48,6 +48,10 @@ def processor_config(doc: Any) -> ProcessorConfig | None:
     fields = {f.name for f in dataclasses.fields(ProcessorConfig)}
     if set(given) != fields:
         raise ValueError(f"'processor' names {sorted(given)}, not {sorted(fields)}")
+    for f in dataclasses.fields(ProcessorConfig):
+        value = given[f.name]
+        if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"'processor.{f.name}' must be a whole number, got {value!r}")
     settings = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
     try:
         settings["tokens"] = TokenIds(**given["tokens"])

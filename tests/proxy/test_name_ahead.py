@@ -239,3 +239,26 @@ def test_encoders_that_name_items_otherwise_turn_naming_off(engine, settings):
             assert sum("--name-ahead is off" in line for line in front.lines) == 1
         finally:
             front.stop()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"patch_size": 14.0},
+        {"patch_size": True},
+        {"patch_size": "14"},
+        {"image_max_pixels": None},
+        {"family": ""},
+        {"tokens": 5},
+        {"extra": 1},
+    ],
+    ids=["float", "bool", "text", "none", "no-family", "tokens", "unknown-key"],
+)
+def test_settings_that_are_not_the_protocols_are_refused(change):
+    """An encoder's settings answer that would name items by other numbers than its own (a
+    float patch size makes float grids) is refused: naming stays off for it."""
+    from mmferry.proxy.ahead import processor_config
+
+    assert processor_config({"processor": SETTINGS}) == mf.Processor.for_model("qwen2.5-vl").config
+    with pytest.raises(ValueError):
+        processor_config({"processor": {**SETTINGS, **change}})
