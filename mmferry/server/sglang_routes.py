@@ -152,10 +152,11 @@ class SglangRoutes:
         if self._pusher is not None:
             await asyncio.to_thread(self._pusher.close)
 
-    def _background(self, coro: Any) -> None:
+    def _background(self, coro: Any) -> asyncio.Future:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # -- the part's rows -------------------------------------------------------------------
 
@@ -187,16 +188,18 @@ class SglangRoutes:
             )
         return [head, body], rows.numel() * rows.element_size()
 
-    async def _deliver(self, backend: str, addresses: list[str], frames: list[Any]) -> bool:
-        """Push `frames` to every address; False (logged, counted) if one took nothing."""
+    async def _deliver(
+        self, backend: str, addresses: list[str], frames: list[Any], outcome: str
+    ) -> bool:
+        """Push `frames` to every address and count the part as `outcome`; False (logged,
+        counted as undelivered) if one took nothing."""
         results = await asyncio.gather(
             *(self.pusher.push(a, frames) for a in addresses), return_exceptions=True
         )
         failed = [(a, r) for a, r in zip(addresses, results) if isinstance(r, BaseException)]
         for address, error in failed:
             log.warning("SGLang receiver %s took no message: %s", address, error)
-        if failed:
-            self.parts.labels(backend, "undelivered").inc()
+        self.parts.labels(backend, "undelivered" if failed else outcome).inc()
         return not failed
 
     async def _to_scheduler(self, req: EncodeRequest, frames: list[Any], outcome: str) -> None:
@@ -209,8 +212,8 @@ class SglangRoutes:
             missing = "not every scheduler rank registered its address in time"
             frames = [error_message(req.part, missing, 504)]
             outcome = "failed"
-        if addresses and await self._deliver("zmq_to_scheduler", addresses, frames):
-            self.parts.labels("zmq_to_scheduler", outcome).inc()
+        if addresses:
+            await self._deliver("zmq_to_scheduler", addresses, frames, outcome)
 
     async def encode(self, request: Any, body: Any) -> Any:
         req = parse_encode(body)
@@ -228,8 +231,7 @@ class SglangRoutes:
             failure = [error_message(req.part, message, status)]
             # The error form too, so a receiver already waiting fails now, not at its timeout.
             if req.addresses:
-                self._background(self._deliver(backend, req.addresses, failure))
-                self.parts.labels(backend, outcome).inc()
+                self._background(self._deliver(backend, req.addresses, failure, outcome))
             else:
                 self._background(self._to_scheduler(req, failure, outcome))
             if error is None:
@@ -238,9 +240,11 @@ class SglangRoutes:
             raise
         if not req.addresses:
             self._background(self._to_scheduler(req, frames, "sent"))
-        elif await self._deliver(backend, req.addresses, frames):
-            self.parts.labels(backend, "sent").inc()
-        else:
+        # NOTE: shielded: SGLang's tokenizer cancels its /encode call as soon as the rows reach
+        # it, often before the push has returned here; the push and its count go on.
+        elif not await asyncio.shield(
+            self._background(self._deliver(backend, req.addresses, frames, "sent"))
+        ):
             gone = ", ".join(req.addresses)
             raise RequestError(502, "receiver_gone", f"SGLang's receiver ({gone}) took no rows")
         return {"req_id": req.part.req_id, "part_idx": req.part.part_idx, "embedding_size": nbytes}

@@ -267,9 +267,22 @@ def test_the_same_image_is_encoded_once_across_the_pool(epd):
     parts = [metric(u, "mmferry_sglang_parts", 'outcome="sent"') for u in urls]
     answers = [answer(epd.lang.generate(f"hi {IMAGE} ?", {"image": [path]})) for _ in range(10)]
     assert all(a == answers[0] for a in answers)
+
+    def sent() -> list[float]:
+        # SGLang answers once the rows reach it, which can be before the encoder has counted
+        # the part as sent (after its push returns): wait for the count to reach the answers.
+        deadline = time.monotonic() + 10
+        while True:
+            got = [
+                metric(u, "mmferry_sglang_parts", 'outcome="sent"') - p for u, p in zip(urls, parts)
+            ]
+            if sum(got) >= len(answers) or time.monotonic() > deadline:
+                return got
+            time.sleep(0.05)
+
     # Until SGLang's random pick has sent it to both encoders (half a chance each time).
     for _ in range(20):
-        got = [metric(u, "mmferry_sglang_parts", 'outcome="sent"') - p for u, p in zip(urls, parts)]
+        got = sent()
         if min(got) > 0:
             break
         answers.append(answer(epd.lang.generate(f"hi {IMAGE} ?", {"image": [path]})))

@@ -7,6 +7,7 @@ reader is in tests/engines/test_sglang_wire.py."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import io
 import pickle
@@ -209,3 +210,50 @@ def test_destinations_wait_for_every_rank_then_give_what_came():
         assert len(d) == 0
 
     asyncio.run(run())
+
+
+def test_a_part_is_counted_sent_when_sglang_hangs_up_on_the_rows(media_dir, pull):
+    """SGLang's tokenizer cancels its `/encode` call as soon as the rows reach it, often before
+    the push has returned in the service: the part is still counted as sent."""
+    from mmferry.encoder.model import VisionEncoder
+    from mmferry.server.limits import Limits
+    from mmferry.server.service import EncoderService, ServiceConfig
+    from mmferry.server.sglang_routes import SglangRoutes
+
+    from .in_process import PROC, TOWER
+
+    sock, port = pull
+    limits = Limits(allow_paths=(str(media_dir),))
+
+    async def run() -> float:
+        service = EncoderService(
+            PROC,
+            VisionEncoder.random("qwen3-vl", config=TOWER),
+            ServiceConfig(limits=limits, shm_bytes=0, preprocess_threads=1),
+        )
+        await service.start()
+        routes = SglangRoutes(service)
+        try:
+            push = routes.pusher.push
+
+            async def returns_late(address: str, frames: Any) -> None:
+                await push(address, frames)
+                await asyncio.sleep(1)  # the push's thread handing back late, as under load
+
+            routes.pusher.push = returns_late  # type: ignore[method-assign]
+            call = asyncio.ensure_future(
+                routes.encode(None, body([str(media_dir / "img0.png")], port))
+            )
+            head, _ = await asyncio.to_thread(sock.recv_multipart)
+            assert load(head)["error_msg"] is None
+            call.cancel()  # as SGLang does with the rows in hand
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            await asyncio.gather(*routes._tasks)
+            sent = {"backend": "zmq_to_tokenizer", "outcome": "sent"}
+            return service.metrics.registry.get_sample_value("mmferry_sglang_parts_total", sent)
+        finally:
+            await routes.close()
+            await service.close()
+
+    assert asyncio.run(run()) == 1
