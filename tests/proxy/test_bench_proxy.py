@@ -1,11 +1,13 @@
 """`examples/bench_proxy.py` run for real, one short round, so the one command keeps working: it
 starts its own processes for (a) and (c) (a plain vLLM; two encoders, a vLLM with the connector,
 the proxy), checks both set-ups give the same tokens, runs vLLM's benchmark on each, both
-workloads at both rates, then text-only directly and through the proxy, and reports."""
+workloads at both rates, then text-only directly and through the proxy, and reports; and
+`examples/proxy_cpu.py` (the proxy's own CPU a request) for a few requests."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -51,3 +53,13 @@ def test_one_short_round(tmp_path):
     counts = [c for per in result["multimodal"]["counts"].values() for c in per["c"]]
     assert len(counts) == len(runs) and all(c["calls"] > 0 for c in counts), counts
     assert "(c) - (a) TTFT p50" in run.stdout
+
+
+def test_the_proxy_cpu_example_runs():
+    cmd = [sys.executable, str(ROOT / "examples" / "proxy_cpu.py"), "--requests", "5"]
+    run = subprocess.run(cmd + ["--warmup", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    cpu = re.search(r"CPU ms a request: proxy ([\d.]+), encoders ([\d.]+) and ([\d.]+)", run.stdout)
+    assert cpu is not None, run.stdout
+    assert all(float(x) > 0 for x in cpu.groups()), run.stdout
+    assert re.search(r"through the proxy [\d.]+ ms, the engine directly [\d.]+ ms", run.stdout)
