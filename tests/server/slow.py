@@ -3,7 +3,9 @@
 `SlowOrigin` is an HTTP origin in a thread for the remote fetches. Routes: `/img.png` answers at
 once; `/gate.png` answers once `gate` is set; `/stall` sends nothing for a minute; `/drip` sends
 one byte every `DRIP_S` seconds for a minute. It counts the requests it holds at once (`peak`),
-so a test can check the fetch concurrency. `RawUpload` sends a body slowly, or never.
+so a test can check the fetch concurrency: a request whose client has closed its connection is
+not counted, even before the thread serving it has noticed. `RawUpload` sends a body slowly,
+or never.
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ DRIP_S = 0.25
 HOLD_S = 60.0
 
 
+def _hung_up(conn: socket.socket) -> bool:
+    """Whether the peer has closed `conn` (its end read, nothing consumed)."""
+    try:
+        readable, _, _ = select.select([conn], [], [], 0)
+        return bool(readable) and not conn.recv(1, socket.MSG_PEEK)
+    except (OSError, ValueError):
+        return True  # closed here meanwhile
+
+
 class SlowOrigin:
     """`with SlowOrigin(png) as o:` serves on 127.0.0.1 at `o.host` until the block ends."""
 
@@ -29,6 +40,7 @@ class SlowOrigin:
         self.held = 0
         self.peak = 0
         self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
         origin = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -37,7 +49,11 @@ class SlowOrigin:
 
             def do_GET(self) -> None:
                 with origin._lock:
-                    origin.held += 1
+                    # NOTE: a fetcher that gave up closes its connection before it opens the
+                    # next one; the thread serving the old one may not have woken to see it yet.
+                    origin._open = {c for c in origin._open if not _hung_up(c)}
+                    origin._open.add(self.connection)
+                    origin.held = len(origin._open)
                     origin.peak = max(origin.peak, origin.held)
                 try:
                     origin._route(self)
@@ -45,7 +61,8 @@ class SlowOrigin:
                     pass  # the fetcher gave up and closed the connection
                 finally:
                     with origin._lock:
-                        origin.held -= 1
+                        origin._open.discard(self.connection)
+                        origin.held = len(origin._open)
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
