@@ -6,7 +6,9 @@ over `INLINE_BYTES` is parsed by one child (plain Python, no mmferry import: `py
 which first bounds the number of values from a count of `,`, `[` and `{` (the one cost that
 grows with the count is then bounded too), and sends the value back pickled: the loop then
 spends only the unpickling (bytes copied, at most `MAX_JSON_VALUES` objects built). Smaller
-bodies are parsed in place, under the same bound.
+bodies are parsed in place, under the same bound, and so are bodies up to `FEW_VALUES_BYTES`
+of few values (a few images as data: URLs: json copies long strings at about 2.3 ms a MB here,
+where the round trip through the child cost 0.7 ms for a 160 KB body against 0.24 in place).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import pickle
 import sys
 from typing import Any
 
-from mmferry.server.bodies import MAX_JSON_VALUES, json_error, parse_json
+from mmferry.server.bodies import MAX_JSON_VALUES, json_error, json_values, parse_json
 from mmferry.server.limits import RequestError
 
 INLINE_BYTES = 64 << 10  # at most about 20,000 values: a few milliseconds in place
+FEW_VALUES_BYTES = 256 << 10  # at most FEW_VALUES values: well under a millisecond in place
+FEW_VALUES = 2_000
 PIECE = 1 << 20
 
 # The child: frames of <8-byte length><body> in; <1-byte kind><8-byte length><data> out, where
@@ -60,6 +64,8 @@ class JsonChild:
     async def parse(self, raw: bytes | bytearray) -> Any:
         """`raw` parsed, as `parse_json` would; the event loop stays free meanwhile."""
         if len(raw) <= INLINE_BYTES:
+            return parse_json(raw)
+        if len(raw) <= FEW_VALUES_BYTES and json_values(raw) <= FEW_VALUES:
             return parse_json(raw)
         # NOTE: shielded: a request cancelled mid-exchange must not leave half a frame on the
         # pipe for the next one.
