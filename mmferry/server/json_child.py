@@ -65,8 +65,10 @@ class JsonChild:
         """`raw` parsed, as `parse_json` would; the event loop stays free meanwhile."""
         if len(raw) <= INLINE_BYTES:
             return parse_json(raw)
-        if len(raw) <= FEW_VALUES_BYTES and json_values(raw) <= FEW_VALUES:
-            return parse_json(raw)
+        if len(raw) <= FEW_VALUES_BYTES:
+            values = json_values(raw)  # counted once, for this choice and parse_json's bound
+            if values <= FEW_VALUES:
+                return parse_json(raw, values)
         # NOTE: shielded: a request cancelled mid-exchange must not leave half a frame on the
         # pipe for the next one.
         kind, data = await asyncio.shield(asyncio.ensure_future(self._exchange(raw)))
