@@ -5,8 +5,9 @@
 Starts two `mmferry serve` encoders on the tests' tiny Qwen2.5-VL checkpoint, a recording
 engine (a stdlib HTTP server answering every chat request at once, tests/proxy/procs.py) and
 `mmferry proxy --mode connector` in front, then sends requests one at a time, each with
-`--images` fresh 224x224 JPEGs as data: URLs. Prints the CPU time (the kernel's per-process
-user and system time) the proxy and each encoder spent a request, and the client's latency
+`--images` fresh 224x224 JPEGs as data: URLs. Prints the CPU time (the kernel's user and system
+time of each process and its children, a JSON parsing child included) the proxy and each encoder
+spent a request, and the client's latency
 through the proxy beside the engine's own. Run it in two environments to compare them (a
 package installed or not, two commits); its figures are per request, so the machine's other
 work moves them less than it moves latency.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-import os
 import statistics
 import sys
 import tempfile
@@ -33,15 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests' tiny checkpoint and process helpers
 
 from tests.engines.tiny_vlm import build_checkpoint  # noqa: E402
-from tests.proxy.procs import RecordingEngine, encoder, proxy  # noqa: E402
+from tests.proxy.procs import RecordingEngine, cpu_seconds, encoder, proxy  # noqa: E402
 
 CHAT = "/v1/chat/completions"
-
-
-def cpu_seconds(pid: int) -> float:
-    """The process's user and system time so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:
