@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import statistics
 import tempfile
 import time
@@ -27,6 +26,7 @@ from mmferry.bench import harness
 from mmferry.config import VisionConfig
 from mmferry.encoder.assign import CostModel, assign_work
 from mmferry.encoder.sharded import _sub_item
+from mmferry.testing.ports import free_port
 
 # The public Qwen3-VL vision tower (the cost model needs only its widths).
 QWEN3_VL = VisionConfig(
@@ -186,12 +186,6 @@ def _rank_main(rank: int, world: int, init: str, quick: bool, rounds: int, out: 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wall_time(report: harness.Report, quick: bool) -> None:
     """2 ranks (gloo, one thread each) vs one process with one thread, interleaved per round."""
     import ast
@@ -201,7 +195,7 @@ def wall_time(report: harness.Report, quick: bool) -> None:
     patches = sum(it.num_patches for it in items)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "t")
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         mp.spawn(_rank_main, args=(2, init, quick, rounds, out), nprocs=2, join=True)
         with open(out) as f:
             times = ast.literal_eval(f.read())

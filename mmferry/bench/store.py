@@ -21,15 +21,10 @@ from pathlib import Path
 import torch
 
 from mmferry.bench.harness import Figure, Report, check_equal, interleave, main_for
+from mmferry.testing.ports import free_port
 
 ITEMS = 8
 MB = 1e6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
@@ -50,7 +45,7 @@ def store_on_loopback(segment: str) -> Iterator[str]:
     from mmferry.store.mooncake import import_mooncake
 
     bins = Path(import_mooncake().__file__).parent  # the binaries ship inside the package
-    rpc, http, metrics, holder = (_free_port() for _ in range(4))
+    rpc, http, metrics, holder = (free_port() for _ in range(4))
     env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}
     procs = []

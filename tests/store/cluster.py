@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mmferry.testing.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 MOONCAKE = ROOT / ".mooncake-venv"
 SITE = MOONCAKE / "site"
@@ -46,12 +48,6 @@ def import_here() -> None:
         ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     if str(SITE) not in sys.path:
         sys.path.append(str(SITE))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 30.0) -> None:
