@@ -106,11 +106,23 @@ class Cluster:
         _wait_port(self.http, self.master, self.work / "mooncake_master.log")
 
     def start(self) -> Cluster:
-        try:
-            self._start()
-        except BaseException:
-            self.stop()  # a holder that failed leaves no master behind
-            raise
+        for attempt in range(3):
+            try:
+                self._start()
+                return self
+            except RuntimeError as e:
+                self.stop()  # a holder that failed leaves no master behind
+                # A port free when chosen can be taken before the server binds it (another
+                # process's outgoing connection): the first start may pick fresh ones; a
+                # restart keeps its ports, which the clients already know.
+                if "Address already in use" not in str(e) or attempt == 2:
+                    raise
+                self.rpc, self.http, self.metrics, self.holder_port = (
+                    free_port() for _ in range(4)
+                )
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def _start(self) -> None:

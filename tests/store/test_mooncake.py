@@ -149,3 +149,41 @@ def test_full_store_costs_only_that_put(mooncake, tmp_path):
         if store is not None:
             store.close()
         c.stop()
+
+
+def test_a_cluster_whose_port_is_taken_before_its_master_binds_starts_on_fresh_ports(
+    mooncake, tmp_path
+):
+    """A port free when chosen can be taken before the master binds it (CI once saw the master
+    exit so): the first start picks fresh ports, and the store then works on them."""
+    import socket
+
+    from tests.store.cluster import Cluster
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        busy = taken.getsockname()[1]
+        c = Cluster(tmp_path, metrics=busy).start()
+    store = None
+    try:
+        assert c.metrics != busy
+        assert "Address already in use" in (tmp_path / "mooncake_master.log").read_text()
+        store = MooncakeStore(StoreAddress.parse(c.url))
+        key = entry_key("07" * 16, MODEL, torch.float32)
+        parts, embeds = _entry(key, 7)
+        store.put(key, parts)
+        got, _ = read_entry(
+            store.get(key),
+            key=key,
+            model=MODEL,
+            dtype=torch.float32,
+            num_tokens=64,
+            hidden=32,
+            deepstack=0,
+        )
+        assert torch.equal(got, embeds)
+    finally:
+        if store is not None:
+            store.close()
+        c.stop()
