@@ -34,8 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests' tiny checkpoint and process helpers
 
+from mmferry.testing.ports import free_port  # noqa: E402
 from tests.engines import tiny_vlm  # noqa: E402
-from tests.engines.service import free_port  # noqa: E402
 from tests.proxy import procs as _procs  # noqa: E402
 from tests.proxy.procs import Proc, VllmServer, encoder, proxy, scrape  # noqa: E402
 

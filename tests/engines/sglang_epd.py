@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from tests.engines.service import free_port
+from mmferry.testing.ports import free_port
 from tests.engines.sglang_harness import (
     SGLANG_PYTHON,
     START_TIMEOUT_S,

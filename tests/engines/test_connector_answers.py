@@ -17,6 +17,7 @@ import torch
 
 from mmferry.engines.cache_client import CALLER_HEADER, CacheClient, RowSpec, fetch_rows
 from mmferry.engines.presence import MAX_ITEMS, Presence
+from mmferry.testing.ports import free_port
 from mmferry.transport.shm import ShmArena
 from tests.engines.lying_service import (
     BAD_LOOKUPS,
@@ -32,7 +33,6 @@ from tests.engines.lying_service import (
     raw,
     rows,
 )
-from tests.engines.service import free_port
 
 LOOKUP_TIMEOUT_S = 0.5
 SPEC = RowSpec(width=12, dtype=torch.float32)

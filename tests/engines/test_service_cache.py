@@ -18,7 +18,8 @@ from mmferry.encoder.model import VisionOutput
 from mmferry.engines.cache_client import CacheClient, ServiceUnavailable
 from mmferry.server.client import image_part
 from mmferry.server.pins import Pins
-from tests.engines.service import Service, free_port
+from mmferry.testing.ports import free_port
+from tests.engines.service import Service
 from tests.engines.tiny_vlm import image
 
 

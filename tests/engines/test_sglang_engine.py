@@ -23,8 +23,9 @@ from PIL import Image
 from mmferry.engines.rows import EngineItem, packed_rows
 from mmferry.engines.sglang import to_sglang
 from mmferry.server.client import EncoderClient, image_part
+from mmferry.testing.ports import free_port
 from tests.engines.cases import cases, items
-from tests.engines.service import Service, free_port
+from tests.engines.service import Service
 from tests.engines.sglang_harness import SGLANG_PYTHON, SglangEngine
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from mmferry.engines.sglang import to_sglang
+from mmferry.testing.ports import free_port
 from tests.engines.cases import cases, items
-from tests.engines.service import free_port
 from tests.engines.sglang_harness import (
     SGLANG_PYTHON,
     START_TIMEOUT_S,

@@ -19,9 +19,10 @@ from PIL import Image
 
 from mmferry.engines.vllm import to_vllm, to_vllm_refs
 from mmferry.server.client import EncoderClient, image_part, video_part
+from mmferry.testing.ports import free_port
 from tests.engines.cases import cases, pixel_request
 from tests.engines.conftest import start_engines
-from tests.engines.service import Service, free_port
+from tests.engines.service import Service
 from tests.engines.tiny_vlm import VIDEO_FPS, image
 
 pytestmark = pytest.mark.slow

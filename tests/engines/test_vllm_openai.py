@@ -17,10 +17,10 @@ import pytest
 from PIL import Image
 
 from mmferry.engines.vllm import content_parts
+from mmferry.testing.ports import free_port
 from tests.engines.cases import cases, items
 from tests.engines.conftest import needs_vllm
 from tests.engines.driver import NEW_TOKENS
-from tests.engines.service import free_port
 from tests.engines.vllm_harness import VLLM_PYTHON, vllm_env
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from tests.engines.service import free_port
+from mmferry.testing.ports import free_port
 from tests.engines.sglang_harness import (
     VLLM_LEFTOVERS,
     ShmLeftovers,

@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from mmferry.testing.ports import free_port
 from tests.engines.lying_service import Answer, LyingService, html, js
-from tests.engines.service import free_port
 from tests.engines.tiny_vlm import image
 from tests.proxy.conftest import data_url
 from tests.proxy.procs import Proc, RecordingEngine, proxy

@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mmferry.proxy.paths import MEDIA_ROUTES
+from mmferry.testing.ports import free_port
 from tests.engines.lying_service import Answer, LyingService, html, js
-from tests.engines.service import free_port
 from tests.proxy.procs import Proc, RecordingEngine, proxy
 from tests.proxy.test_boundary import post
 from tests.proxy.vllm_reads import CORPUS_KEYS, TYPES, reads

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 import mmferry as mf
+from mmferry.testing.ports import free_port
 from tests.engines.lying_service import LyingService, js, raw, rows
-from tests.engines.service import free_port
 from tests.engines.tiny_vlm import VIDEO_FPS, gradient, image, video
 from tests.proxy.conftest import Answer, chat, chat_body, first_choice, image_part, video_part
 from tests.proxy.procs import cpu_seconds, proxy, scrape

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.engines.service import free_port
+from mmferry.testing.ports import free_port
 from tests.proxy.procs import Proc, proxy, scrape, send_json
 from tests.server.test_connections import read_until_closed
 

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from tests.engines.service import free_port
+from mmferry.testing.ports import free_port
 from tests.proxy.procs import Proc, send_json
 
 STREAM = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: [DONE]\n\n'

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from tests.engines.service import free_port
+from mmferry.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,8 @@ from PIL import Image
 
 from mmferry.server.client import EncodeError, EncoderClient, image_part, video_part
 from mmferry.testing.families import save_family_checkpoint
-from tests.engines.service import Service, free_port
+from mmferry.testing.ports import free_port
+from tests.engines.service import Service
 from tests.engines.tiny_vlm import gradient, image
 from tests.models.test_generic import hf_processor, hf_rows
 
