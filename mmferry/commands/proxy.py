@@ -76,7 +76,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "new items to their next choice",
     )
     p.add_argument(
-        "--encoder-timeout", type=float, default=60.0, metavar="S", help="one item's encode"
+        "--encoder-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="a whole call to an encoder (an encode, or a load of rows)",
     )
     p.add_argument(
         "--connect-timeout",

@@ -35,7 +35,7 @@ class ProxyConfig:
     encoder_api_key: str | None = None  # what the proxy sends the encoders
     llm_api_key: str | None = None  # what the proxy sends the engine (None: the client's own)
     epsilon: float = 0.25  # bounded load: (1 + epsilon) x the mean in-flight items
-    encoder_timeout_s: float = 60.0  # one item's encode on one encoder
+    encoder_timeout_s: float = 60.0  # a whole encode or load call on one encoder
     connect_timeout_s: float = 2.0  # a refused or silent encoder fails within this
     llm_timeout_s: float = 600.0  # the engine's answer, between two chunks
     probe_interval_s: float = 0.25  # how often down encoders are checked for a due probe

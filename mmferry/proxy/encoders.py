@@ -96,6 +96,10 @@ class EncoderPool:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         self._transport_errors = (httpx.TransportError, OSError)
+        # An encode or load call gets one deadline for all of it (`_post`), not httpx's
+        # per-read one: an encoder that sends its answer a byte at a time cannot hold the
+        # request past `encoder_timeout_s`, and the call sets one timer, not one a read.
+        self._whole_call = httpx.Timeout(None, connect=config.connect_timeout_s)
         self._prober: asyncio.Task | None = None
         # --name-ahead: each encoder's processor settings (None: a generic-family encoder),
         # and the settings the proxy names items by once every encoder has answered alike.
@@ -211,8 +215,13 @@ class EncoderPool:
         when the encoder could not serve (marked down, except for a 401 or an answer not the
         protocol's)."""
         t0 = time.perf_counter()
+        limit_s = self.config.encoder_timeout_s
         try:
-            r = await self.http.post(url + route, json=body)
+            async with asyncio.timeout(limit_s):
+                r = await self.http.post(url + route, json=body, timeout=self._whole_call)
+        except TimeoutError:  # before OSError, its base
+            self._down(url)
+            raise _Failed("timeout", f"no whole answer within {limit_s:g} s") from None
         except self._transport_errors as e:
             self._down(url)
             raise _Failed(type(e).__name__, str(e)) from None

@@ -9,6 +9,7 @@ the real vLLM."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import io
 import json
@@ -280,6 +281,36 @@ def test_an_encoders_timeout_or_overload_goes_to_the_items_next_choice(engine, s
                 "mmferry_proxy_encoder_failures_total",
                 encoder=busy.url,
                 reason=f"http_{status}",
+            )
+            assert failed == 1
+        finally:
+            front.stop()
+
+
+def test_an_encoder_that_trickles_its_answer_is_cut_at_the_encoder_timeout(engine):
+    """An encoder that sends its answer a byte every 0.3 s, each byte well within any read
+    timeout, but the whole (about 100 bytes) in half a minute: the call is cut at
+    --encoder-timeout and the item goes to its next choice, the client answered at once."""
+    limit_s = 2.0
+    with LyingService() as slow, LyingService() as honest:
+        urls = [slow.url, honest.url]
+        client = _first_for(urls, slow.url)
+        slow.answer("encode", dataclasses.replace(facts(), trickle_s=0.3))
+        honest.answer("encode", facts())
+        honest.answer("load", rows({HASH: ROWS}))
+        front = proxy(engine, urls, "embeds", "--encoder-timeout", str(limit_s)).start()
+        try:
+            t0 = time.monotonic()
+            part = forwarded(front, client)
+            took = time.monotonic() - t0
+            assert len(slow.calls("encode")) == 1  # asked first
+            assert part["type"] == "image_embeds" and torch.equal(sent_rows(part), ROWS)
+            assert limit_s <= took < limit_s + 5.0, took
+            failed = scrape(
+                front.url,
+                "mmferry_proxy_encoder_failures_total",
+                encoder=slow.url,
+                reason="timeout",
             )
             assert failed == 1
         finally:
