@@ -376,10 +376,13 @@ class EncoderPool:
             raise _Failed("bad_answer", str(e)) from None
 
     async def _probe(self, url: str) -> None:
+        # One deadline for the whole probe: an encoder trickling its /health answer neither
+        # passes it nor holds the round of probes (and so the other down encoders' next ones).
         try:
-            r = await self.http.get(url + "/health", timeout=self.config.connect_timeout_s)
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                r = await self.http.get(url + "/health", timeout=self._whole_call)
             ok = r.status_code == 200
-        except self._transport_errors:
+        except self._transport_errors:  # TimeoutError among them
             ok = False
         if ok:
             self._up(url)

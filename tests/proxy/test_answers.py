@@ -317,6 +317,31 @@ def test_an_encoder_that_trickles_its_answer_is_cut_at_the_encoder_timeout(engin
             front.stop()
 
 
+def test_an_encoder_that_trickles_its_health_stays_down(engine):
+    """A down encoder whose /health answers 200 a byte every 0.4 s (each byte well within the
+    connect timeout, the whole in about 6 s) fails each probe at --connect-timeout and stays
+    down, its items going elsewhere."""
+    with LyingService() as slow, LyingService() as honest:
+        urls = [slow.url, honest.url]
+        client = _first_for(urls, slow.url)
+        slow.answer("encode", _refusal(503))
+        slow.answer("health", Answer(200, b'{"status": "ok"}', trickle_s=0.4))
+        honest.answer("encode", facts())
+        honest.answer("load", rows({HASH: ROWS}))
+        front = proxy(engine, urls, "embeds", "--connect-timeout", "1").start()
+        try:
+            assert forwarded(front, client)["uuid"] == HASH  # the slow one failed, marked down
+            time.sleep(9.0)  # a whole trickled answer, probes due at 0.5, 1, 2 and 4 s
+            assert httpx.get(f"{front.url}/health", timeout=10).json()["encoders"] == {
+                "up": 1,
+                "down": 1,
+            }
+            assert forwarded(front, client)["uuid"] == HASH
+            assert len(slow.calls("encode")) == 1  # still passed over
+        finally:
+            front.stop()
+
+
 def test_an_overloaded_encoder_is_left_alone_for_its_retry_after(engine):
     """A 429's Retry-After keeps the encoder out of the routing that long (not the 0.5 s of a
     first failure's probe), then it is asked again."""
