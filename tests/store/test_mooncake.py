@@ -35,6 +35,20 @@ def test_address_parsing():
             StoreAddress.parse(bad)
 
 
+def _read(store: MooncakeStore, key: str) -> torch.Tensor:
+    """The rows of `_entry`'s entry under `key`, checked by `read_entry`."""
+    rows, _ = read_entry(
+        store.get(key),
+        key=key,
+        model=MODEL,
+        dtype=torch.float32,
+        num_tokens=64,
+        hidden=32,
+        deepstack=0,
+    )
+    return rows
+
+
 def _entry(key: str, seed: int) -> tuple[list, torch.Tensor]:
     embeds = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed))
     return entry_parts(key, MODEL, embeds, ()), embeds
@@ -47,39 +61,15 @@ def test_round_trip_first_writer_and_replace(store_cluster):
         assert store.get(key) is None
         parts, embeds = _entry(key, 0)
         assert store.put(key, parts) == sum(memoryview(p).nbytes for p in parts)
-        got, _ = read_entry(
-            store.get(key),
-            key=key,
-            model=MODEL,
-            dtype=torch.float32,
-            num_tokens=64,
-            hidden=32,
-            deepstack=0,
-        )
+        got = _read(store, key)
         assert torch.equal(got, embeds)
         # A second put keeps the first writer's rows; a replace overwrites them.
         other, other_embeds = _entry(key, 1)
         store.put(key, other)
-        got, _ = read_entry(
-            store.get(key),
-            key=key,
-            model=MODEL,
-            dtype=torch.float32,
-            num_tokens=64,
-            hidden=32,
-            deepstack=0,
-        )
+        got = _read(store, key)
         assert torch.equal(got, embeds)
         store.put(key, other, replace=True)
-        got, _ = read_entry(
-            store.get(key),
-            key=key,
-            model=MODEL,
-            dtype=torch.float32,
-            num_tokens=64,
-            hidden=32,
-            deepstack=0,
-        )
+        got = _read(store, key)
         assert torch.equal(got, other_embeds)
         # An entry larger than the client's staging buffer is not published, and says why.
         big = [torch.zeros(2 << 20, dtype=torch.uint8).numpy()]
@@ -173,15 +163,7 @@ def test_a_cluster_whose_port_is_taken_before_its_master_binds_starts_on_fresh_p
         key = entry_key("07" * 16, MODEL, torch.float32)
         parts, embeds = _entry(key, 7)
         store.put(key, parts)
-        got, _ = read_entry(
-            store.get(key),
-            key=key,
-            model=MODEL,
-            dtype=torch.float32,
-            num_tokens=64,
-            hidden=32,
-            deepstack=0,
-        )
+        got = _read(store, key)
         assert torch.equal(got, embeds)
     finally:
         if store is not None:
