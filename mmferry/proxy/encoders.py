@@ -33,7 +33,14 @@ from mmferry.config import ProcessorConfig
 from mmferry.proxy.ahead import PROCESSOR, processor_config, same_item
 from mmferry.proxy.answers import BadEncoderAnswer, encode_facts, loaded_rows
 from mmferry.proxy.config import ProxyConfig
-from mmferry.proxy.media import Encoded, Media, as_pixels, client_error, names_a_part
+from mmferry.proxy.media import (
+    Encoded,
+    Media,
+    as_pixels,
+    client_error,
+    names_a_part,
+    origin_failed,
+)
 from mmferry.proxy.metrics import ProxyMetrics
 from mmferry.routing import Router
 from mmferry.server.limits import RequestError
@@ -211,7 +218,7 @@ class EncoderPool:
 
     async def _post(self, url: str, route: str, body: dict[str, Any], media: list[Media]) -> Any:
         """The encoder's 200 response; RequestError for its refusal of an item (a 4xx but
-        408 and 429); _Split for its refusal of a call of several items as a whole; _Failed
+        408 and 429, or a 502/504 saying a client's URL failed at its origin); _Split for its refusal of a call of several items as a whole; _Failed
         when the encoder could not serve (marked down, except for a 401 or an answer not the
         protocol's)."""
         t0 = time.perf_counter()
@@ -229,6 +236,11 @@ class EncoderPool:
             self.metrics.encoder_seconds.labels(url).observe(time.perf_counter() - t0)
         if r.status_code == 200:
             return r
+        if origin_failed(r.status_code, r.text):
+            # A client's URL failed at its origin: the client's failure, which every encoder
+            # would meet alike. Not sent to the engine instead: vLLM would fetch the URL
+            # itself, and follow the redirect the encoder refused.
+            raise client_error(r.status_code, r.text, media)
         if r.status_code >= 500 or r.status_code in (408, 429):
             # The encoder's fault, its timeout (408) or its overload (429, 503), never the
             # client's: the items' next choices take them, and this encoder is left alone

@@ -332,6 +332,18 @@ def client_error(status: int, text: str, media: Sequence[Media]) -> RequestError
     return RequestError(status, kind, message)
 
 
+# The service's kinds for a remote source whose origin failed (`server/remote.py`): its status
+# not 200, a redirect (never followed), no answer, or past --fetch-timeout.
+ORIGIN_FAILED = {502: "fetch_failed", 504: "fetch_timeout"}
+
+
+def origin_failed(status: int, text: str) -> bool:
+    """Whether an encoder's error answer says a client's URL failed at its origin (about one of
+    the call's parts), not that the encoder failed."""
+    kind, message = _refusal(text)
+    return ORIGIN_FAILED.get(status) == kind and _PART.match(message) is not None
+
+
 def names_a_part(text: str) -> bool:
     """Whether an encoder's refusal is about one of the call's parts (else the call itself:
     its size or its count of items)."""
