@@ -218,9 +218,9 @@ class EncoderPool:
 
     async def _post(self, url: str, route: str, body: dict[str, Any], media: list[Media]) -> Any:
         """The encoder's 200 response; RequestError for its refusal of an item (a 4xx but
-        408 and 429, or a 502/504 saying a client's URL failed at its origin); _Split for its refusal of a call of several items as a whole; _Failed
-        when the encoder could not serve (marked down, except for a 401 or an answer not the
-        protocol's)."""
+        408 and 429, or a 502/504 saying a client's URL failed at its origin); _Split for its
+        refusal of a call of several items as a whole; _Failed when the encoder could not
+        serve (marked down, except for a 401 or an answer not the protocol's)."""
         t0 = time.perf_counter()
         limit_s = self.config.encoder_timeout_s
         try:
