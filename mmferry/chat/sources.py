@@ -130,6 +130,16 @@ def _split(url: str, bad: Bad) -> SplitResult:
             kind="bad_url",
             status=400,
         )
+    if "\\" in url:
+        # NOTE: RFC 3986 parsers (urllib, httpx) read "http://a\@b/" as host b, WHATWG ones
+        # (browsers, some fetchers) as host a: a URL whose host depends on who reads it is
+        # refused, whoever fetches it later.
+        raise bad(
+            f"the URL {shown(url)} holds a backslash, which is no URL character; send it "
+            "percent-encoded (%5C)",
+            kind="bad_url",
+            status=400,
+        )
     try:
         split = urlsplit(url)
         split.port  # noqa: B018 - parsed on access: raises for a port that is not a number

@@ -111,6 +111,21 @@ def test_a_chat_route_spelled_otherwise_reaches_the_engine_as_the_chat_route(fro
     assert sent == [{"type": "image_url", "image_url": {"url": PNG}}]
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"http://169.254.169.254\\@{ALLOWED}/x.png",  # the allowed host to urllib and httpx
+        f"http://{ALLOWED}\\@169.254.169.254/x.png",
+        f"https://{ALLOWED}/x\\y.png",
+    ],
+)
+def test_a_url_with_a_backslash_is_a_400(front, engine, url):
+    """Parsers disagree on a backslash (RFC 3986 reads it inside the user info, WHATWG as the
+    end of the host): such a URL is refused, never handed on."""
+    error = refused(front, engine, CHAT, body({"type": "image_url", "image_url": {"url": url}}))
+    assert error["type"] == "bad_url" and "backslash" in error["message"], error
+
+
 def test_a_path_with_a_control_character_is_a_400(front, engine):
     error = refused(front, engine, "/v1/chat%0A/completions", body())
     assert error["type"] == "bad_path"

@@ -137,6 +137,12 @@ def _bad_inputs(media_dir, origin) -> dict[str, tuple[bytes, int, str]]:
             "control",
         ),
         "newline in an allowed-host URL": (_img(f"http://{origin.host}/i\nmg.png"), 400, "control"),
+        # Host `origin.host` to urllib and httpx, 169.254.169.254 to a WHATWG parser.
+        "backslash before an allowed host": (
+            _img(f"http://169.254.169.254\\@{origin.host}/img0.png"),
+            400,
+            "backslash",
+        ),
         "PNG zTXt chunk bomb": (_img(_data(_png_with(_chunk(b"zTXt", b"k\0\0" + bomb)))), 422, ""),
         "PNG iCCP chunk bomb": (_img(_data(_png_with(_chunk(b"iCCP", b"p\0\0" + bomb)))), 422, ""),
         "PPM with a non-numeric width": (_img(_data(ppm, "image/x-portable-pixmap")), 422, ""),
