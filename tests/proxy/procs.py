@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -268,6 +269,22 @@ class Received:
 
     def json(self) -> Any:
         return json.loads(self.body)
+
+
+@contextlib.contextmanager
+def loopback_server(handler: type) -> Iterator[str]:
+    """A stdlib HTTP server with `handler` on a free loopback port, in a thread; yields
+    "127.0.0.1:<port>"."""
+    from http.server import ThreadingHTTPServer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 class RecordingEngine:

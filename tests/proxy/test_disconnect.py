@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 import select
 import socket
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import ClassVar
 from urllib.parse import urlsplit
 
@@ -22,7 +21,7 @@ import pytest
 from tests.engines.lying_service import Answer, LyingService, js
 from tests.engines.tiny_vlm import image
 from tests.proxy.conftest import image_part
-from tests.proxy.procs import Proc, proxy, scrape, send_json
+from tests.proxy.procs import Proc, loopback_server, proxy, scrape, send_json
 
 HOLD_S = 20.0  # how long the encoder and the engine hold their answers back
 PROMPT_S = 2.0  # the upstream request closed within this of the client leaving
@@ -68,12 +67,8 @@ class _Engine(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Engine)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with loopback_server(_Engine) as host:
+        yield f"http://{host}"
 
 
 @pytest.fixture(scope="module")

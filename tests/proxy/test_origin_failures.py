@@ -9,17 +9,16 @@ a recording engine."""
 from __future__ import annotations
 
 import io
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 import pytest
 from PIL import Image
 
 from tests.engines.tiny_vlm import build_checkpoint, image
-from tests.proxy.procs import Proc, RecordingEngine, encoder, proxy, scrape
+from tests.proxy.procs import Proc, RecordingEngine, encoder, loopback_server, proxy, scrape
 
 METADATA = "http://169.254.169.254/latest/meta-data/iam"
 FETCH_TIMEOUT_S = 1.0
@@ -60,12 +59,8 @@ class _Origin(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def origin() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Origin)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with loopback_server(_Origin) as host:
+        yield host
 
 
 @pytest.fixture(scope="module")
