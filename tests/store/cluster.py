@@ -110,20 +110,18 @@ class Cluster:
             try:
                 self._start()
                 return self
-            except RuntimeError as e:
+            except BaseException as e:
                 self.stop()  # a holder that failed leaves no master behind
                 # A port free when chosen can be taken before the server binds it (another
                 # process's outgoing connection): the first start may pick fresh ones; a
                 # restart keeps its ports, which the clients already know.
-                if "Address already in use" not in str(e) or attempt == 2:
+                taken = isinstance(e, RuntimeError) and "Address already in use" in str(e)
+                if not taken or attempt == 2:
                     raise
                 self.rpc, self.http, self.metrics, self.holder_port = (
                     free_port() for _ in range(4)
                 )
-            except BaseException:
-                self.stop()
-                raise
-        return self
+        raise AssertionError("not reached: the last attempt returns or raises")
 
     def _start(self) -> None:
         self.start_master()
