@@ -1,0 +1,106 @@
+"""The cluster harness itself: hosts reach each other only over their links, a cut link drops
+packets (a connect hangs until its timeout instead of being refused), tbf holds a link to its
+rate, the links count their bytes, and nothing of a run outlives it."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mmferry.testing import cluster
+
+SINK = Path(__file__).with_name("sink.py")
+PORT = 7100
+SEND = """
+import socket, sys, time
+addr, port, n, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+t = time.monotonic()
+try:
+    with socket.create_connection((addr, port), timeout=timeout) as s:
+        s.sendall(b"x" * n)
+        s.shutdown(socket.SHUT_WR)
+        got = s.recv(64).decode()
+    print("ok", got, time.monotonic() - t)
+except OSError as e:
+    print("error", type(e).__name__, time.monotonic() - t)
+"""
+
+
+@pytest.fixture(scope="module")
+def net(make_net) -> cluster.Net:
+    net = make_net(["a", "b"])
+    a = net["a"]
+    sink = a.popen([sys.executable, str(SINK), a.addr, str(PORT)], log=net.work / "sink.log")
+    for _ in range(100):
+        if "listening" in (net.work / "sink.log").read_text():
+            break
+        assert sink.poll() is None, (net.work / "sink.log").read_text()
+        time.sleep(0.05)
+    return net
+
+
+def send(net: cluster.Net, frm: str, to: str, n: int, timeout: float = 5.0) -> list[str]:
+    out = net[frm].run(
+        [sys.executable, "-c", SEND, to, str(PORT), str(n), str(timeout)], timeout=timeout + 60
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_hosts_talk_only_over_their_links(net):
+    a = net["a"]
+    before = a.counters()
+    assert send(net, "b", a.addr, 1_000_000)[:2] == ["ok", "1000000"]
+    received = a.counters()[0] - before[0]
+    assert 1_000_000 <= received < 1_200_000  # the payload and the TCP/IP headers
+    # The sink listens on a's address only: b's loopback is another stack, and from a itself
+    # nothing listens on 127.0.0.1.
+    assert send(net, "b", "127.0.0.1", 10)[:2] == ["error", "ConnectionRefusedError"]
+    assert send(net, "a", "127.0.0.1", 10)[:2] == ["error", "ConnectionRefusedError"]
+
+
+def test_a_cut_link_drops_packets_and_comes_back(net):
+    a = net["a"]
+    a.down()
+    try:
+        status, kind, took = send(net, "b", a.addr, 10, timeout=1.5)
+        # A vanished peer: no refusal, the connect waits for its own timeout.
+        assert (status, kind) == ("error", "TimeoutError")
+        assert float(took) >= 1.4
+    finally:
+        a.up()
+    deadline = time.monotonic() + 10
+    while send(net, "b", a.addr, 10)[0] != "ok":
+        assert time.monotonic() < deadline, "the link did not come back"
+
+
+def test_tbf_holds_the_link_to_its_rate(net):
+    a = net["a"]
+    n = 2_500_000  # 20 Mbit: 0.4 s at 50 Mbit/s
+    a.shape("50mbit")
+    try:
+        took = float(send(net, "b", a.addr, n, timeout=30)[2])
+    finally:
+        a.unshape()
+    assert took >= 0.3, took
+    fast = float(send(net, "b", a.addr, n)[2])
+    assert fast < took / 3, (fast, took)
+
+
+def test_nothing_of_a_run_remains(netns, tmp_path):
+    net = cluster.Net(["x"], tmp_path).start()
+    x = net["x"]
+    assert x.run(["sh", "-c", "echo hi > /dev/shm/seg; ls /dev/shm"]).stdout.split() == ["seg"]
+    assert net.shm_entries() == {"x": ["seg"]}
+    x.popen(["sleep", "300"], log=tmp_path / "sleep.log")
+    x.popen(["sh", "-c", "sleep 300 & sleep 300"], log=tmp_path / "sh.log")
+    time.sleep(0.3)
+    assert len(x.pids()) >= 3  # the two sleeps of sh, and sh itself where it does not exec
+    left = net.leftovers()
+    assert any(s.startswith("namespace") for s in left) and any("process" in s for s in left)
+    net.stop()
+    assert net.leftovers() == []
+    assert not Path(f"/sys/class/net/{x.veth}").exists()
