@@ -92,15 +92,17 @@ def test_tbf_holds_the_link_to_its_rate(net):
 
 def test_nothing_of_a_run_remains(netns, tmp_path):
     net = cluster.Net(["x"], tmp_path).start()
-    x = net["x"]
-    assert x.run(["sh", "-c", "echo hi > /dev/shm/seg; ls /dev/shm"]).stdout.split() == ["seg"]
-    assert net.shm_entries() == {"x": ["seg"]}
-    x.popen(["sleep", "300"], log=tmp_path / "sleep.log")
-    x.popen(["sh", "-c", "sleep 300 & sleep 300"], log=tmp_path / "sh.log")
-    time.sleep(0.3)
-    assert len(x.pids()) >= 3  # the two sleeps of sh, and sh itself where it does not exec
-    left = net.leftovers()
-    assert any(s.startswith("namespace") for s in left) and any("process" in s for s in left)
-    net.stop()
+    try:
+        x = net["x"]
+        assert x.run(["sh", "-c", "echo hi > /dev/shm/seg; ls /dev/shm"]).stdout.split() == ["seg"]
+        assert net.shm_entries() == {"x": ["seg"]}
+        x.popen(["sleep", "300"], log=tmp_path / "sleep.log")
+        x.popen(["sh", "-c", "sleep 300 & sleep 300"], log=tmp_path / "sh.log")
+        time.sleep(0.3)
+        assert len(x.pids()) >= 3  # the two sleeps of sh, and sh itself where it does not exec
+        left = net.leftovers()
+        assert any(s.startswith("namespace") for s in left) and any("process" in s for s in left)
+    finally:
+        net.stop()
     assert net.leftovers() == []
     assert not Path(f"/sys/class/net/{x.veth}").exists()
