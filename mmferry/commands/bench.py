@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import shlex
 import sys
 import traceback
 
@@ -30,6 +31,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="short runs")
     p.add_argument("--json", metavar="FILE", help="every figure and round, as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="a chart of the ratios (needs matplotlib)")
+    p.add_argument(
+        "--args",
+        default="",
+        metavar="'OPTIONS'",
+        help="options for the one benchmark named, passed to its own main "
+        "(e.g. mmferry bench pool --args='--zipf 0.8 --plot pool.png')",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,6 +50,12 @@ def run(args: argparse.Namespace) -> int:
             f"unknown benchmark {unknown[0]!r}; choose from {', '.join(names)} or all",
             file=sys.stderr,
         )
+        return 2
+    extra = shlex.split(args.args)
+    if extra and (
+        len(wanted) != 1 or hasattr(importlib.import_module(f"mmferry.bench.{wanted[0]}"), "run")
+    ):
+        print("--args needs exactly one benchmark named, one with its own main", file=sys.stderr)
         return 2
     if args.plot:
         try:
@@ -60,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             if hasattr(mod, "run"):
                 mod.run(report, args.quick)
-            elif mod.main(["--quick"] if args.quick else []) != 0:
+            elif mod.main((["--quick"] if args.quick else []) + extra) != 0:
                 failed.append(name)
         except Exception:  # noqa: BLE001 - one failing benchmark must not hide the others
             traceback.print_exc()
