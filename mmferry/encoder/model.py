@@ -3,6 +3,9 @@
 `enc(items)` takes preprocessed items of either layout on any device, packs each input kind onto
 the encoder's device in one step, runs ONE tower forward for the whole batch and returns one
 `VisionOutput` per item in input order (row views of the batch output, no copies).
+
+`cuda_graphs=True` (CUDA only) pads each batch to a token budget and replays that budget's
+captured graph (`graphs.py`); `token_budgets` alone pads without capture (any device).
 """
 
 from __future__ import annotations
@@ -10,13 +13,15 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from mmferry.config import VisionConfig
 from mmferry.encoder.attention import get_attention
+from mmferry.encoder.budgets import token_budgets as default_budgets
+from mmferry.encoder.graphs import GRAPH_MEMORY_LIMIT, BudgetRunner
 from mmferry.encoder.layers import INPUT_KINDS, InputKind
 from mmferry.encoder.loader import assign_state, iter_vision_tensors
 from mmferry.encoder.output import VisionOutput
@@ -55,6 +60,9 @@ class VisionEncoder:
         attention: str,
         mean_std: tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[float]],
         random_weights: bool = False,
+        cuda_graphs: bool = False,
+        token_budgets: Sequence[int] | None = None,
+        graph_memory_limit: int = GRAPH_MEMORY_LIMIT,
     ) -> None:
         self.tower = tower.eval()
         self.config = config
@@ -63,6 +71,19 @@ class VisionEncoder:
         self.attention = attention
         self.random_weights = random_weights
         self._attend = get_attention(attention, self.device)
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, not {self.device}")
+        self.cuda_graphs = cuda_graphs
+        self._budgets: BudgetRunner | None = None
+        if cuda_graphs or token_budgets is not None:
+            self._budgets = BudgetRunner(
+                tower,
+                default_budgets() if token_budgets is None else token_budgets,
+                unit=config.spatial_merge_size**2,
+                attention=attention,
+                capture=cuda_graphs,
+                memory_limit=graph_memory_limit,
+            )
         with torch.inference_mode(False), torch.no_grad():
             tower.patch_embed.fold_compact(*mean_std)
 
@@ -77,15 +98,19 @@ class VisionEncoder:
         dtype: torch.dtype = torch.float32,
         attention: str = "sdpa",
         family: str | None = None,
+        **options: Any,
     ) -> VisionEncoder | GenericVisionEncoder:
         """Load only the vision tower of a local checkpoint folder: mmferry's own tower for a
         family it has a spec for; else, or with `family="generic"`, the model's transformers
-        vision path (`GenericVisionEncoder`)."""
+        vision path (`GenericVisionEncoder`). `options`: `cuda_graphs`, `token_budgets`,
+        `graph_memory_limit` (see `__init__`; mmferry's own towers only)."""
         from mmferry.models.generic import uses_generic
 
         if uses_generic(model_dir, family):
             from mmferry.encoder.generic import GenericVisionEncoder
 
+            if options:
+                raise ValueError(f"{', '.join(options)}: not for the generic family's encoder")
             return GenericVisionEncoder.from_pretrained(
                 model_dir, device=device, dtype=dtype, attention=attention
             )
@@ -103,6 +128,7 @@ class VisionEncoder:
             dtype=dtype,
             attention=attention,
             mean_std=(p.image_mean, p.image_std, p.video_mean, p.video_std),
+            **options,
         )
 
     @classmethod
@@ -115,6 +141,7 @@ class VisionEncoder:
         dtype: torch.dtype = torch.float32,
         config: VisionConfig | None = None,
         attention: str = "sdpa",
+        **options: Any,
     ) -> VisionEncoder:
         """A tower with the real architecture and SEEDED RANDOM weights (not a checkpoint)."""
         if config is None:
@@ -139,6 +166,7 @@ class VisionEncoder:
             attention=attention,
             mean_std=(p.image_mean, p.image_std, p.video_mean, p.video_std),
             random_weights=True,
+            **options,
         )
 
     # -- facts ----------------------------------------------------------------------------
@@ -157,7 +185,8 @@ class VisionEncoder:
         return (
             f"VisionEncoder({c.family}, depth={c.depth}, hidden={c.hidden_size}, "
             f"out_hidden={c.out_hidden_size}, deepstack={self.num_deepstack}, "
-            f"device={self.device}, dtype={self.dtype}, attention={self.attention}, {weights})"
+            f"device={self.device}, dtype={self.dtype}, attention={self.attention}, "
+            f"cuda_graphs={self.cuda_graphs}, {weights})"
         )
 
     # -- encoding -------------------------------------------------------------------------
@@ -183,10 +212,17 @@ class VisionEncoder:
             )
         return kind
 
+    def graph_memory(self) -> dict[int, int]:
+        """Bytes of device memory each captured token budget's CUDA graph holds."""
+        return {} if self._budgets is None else self._budgets.memory()
+
     def _run(self, segments, grids) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        meta = self.tower.metadata(grids).to(self.device)
+        host = self.tower.metadata(grids)
+        budget = None if self._budgets is None else self._budgets.budget(host.num_patches)
         with torch.inference_mode():
-            return self.tower(segments, meta, self._attend)
+            if budget is None:  # no budgets, or past the largest: eager, unpadded
+                return self.tower(segments, host.to(self.device), self._attend)
+            return self._budgets(lambda: self.tower.patch_embed(segments), host, budget)
 
     def _split(self, merged, deepstack, grids) -> list[VisionOutput]:
         unit = self.config.spatial_merge_size**2

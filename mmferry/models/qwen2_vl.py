@@ -114,7 +114,13 @@ class Qwen2VisionTower(nn.Module):
         attend: AttentionFn,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Feature rows (per input kind, packed in `meta.grids` order) -> merged [N/4, out]."""
-        x = self.patch_embed(segments)
+        return self.body(self.patch_embed(segments), meta, attend)
+
+    def body(
+        self, x: torch.Tensor, meta: TowerMetadata, attend: AttentionFn
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Patch embeddings [N, hidden] -> merged [N/4, out]: everything after the patch
+        embedding, with static shapes for a given N (what a CUDA graph captures)."""
         unit = self.cfg.spatial_merge_size**2
         if self.windowed:
             # Into window order, one merge block (unit rows) at a time: [N, D] -> [N/unit, unit*D]

@@ -102,14 +102,20 @@ class Qwen3VisionTower(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Feature rows (per input kind, packed in `meta.grids` order) -> merged [N/4, out] and
         one [N/4, out] tensor per deepstack tap."""
-        x = self.patch_embed(segments)
+        return self.body(self.patch_embed(segments), meta, attend)
+
+    def body(
+        self, x: torch.Tensor, meta: TowerMetadata, attend: AttentionFn
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Patch embeddings [N, hidden] -> merged rows and deepstack rows: everything after the
+        patch embedding, with static shapes for a given N (what a CUDA graph captures)."""
         pos = F.embedding_bag(
             meta.interp_taps,
             self.pos_embed.weight,
             per_sample_weights=meta.interp_weights.to(x.dtype),
             mode="sum",
         )
-        x.add_(pos)  # x is the fresh patch-embedding output
+        x.add_(pos)  # x is the tower's own: fresh embeddings, or a graph input refilled per call
         rope = rope_tables(meta.positions, meta.inv_freq)
         taps = {layer: i for i, layer in enumerate(self.cfg.deepstack_visual_indexes)}
         deepstack: list[torch.Tensor] = []
