@@ -4,7 +4,9 @@
 optional parameters: `protocol` (tcp; rdma where the hosts have it), `host` (the address this
 client's transfer engine advertises; default: the local address that routes to the master),
 `local_mib` (the client's registered staging buffer: an entry larger than it is not published;
-default 256), `retry_s` (after a store error, the store is left alone this long; default 5).
+default 256), `retry_s` (after a store error, the store is left alone this long; default 5),
+`lookup_s` (`serve --store`: the longest a request waits on the store's lookup before it
+encodes its items itself; default 1; a store cut off mid-call does not answer, or fail, at all).
 
 Mooncake's own semantics used here: a `put` is readable only once complete (a reader never sees
 half an object), a `put` to an existing key keeps the old value (`upsert` replaces it), and
@@ -57,6 +59,7 @@ class StoreAddress:
     host: str = ""
     local_bytes: int = 256 << 20
     retry_s: float = 5.0
+    lookup_s: float = 1.0
 
     @classmethod
     def parse(cls, url: str) -> StoreAddress:
@@ -66,7 +69,8 @@ class StoreAddress:
                 f"a store address is mooncake://MASTER_HOST:PORT?metadata=URL, got {url!r}"
             )
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
-        unknown = sorted(set(query) - {"metadata", "protocol", "host", "local_mib", "retry_s"})
+        known = {"metadata", "protocol", "host", "local_mib", "retry_s", "lookup_s"}
+        unknown = sorted(set(query) - known)
         if unknown:
             raise ValueError(f"unknown store parameter(s) {', '.join(unknown)} in {url!r}")
         if not query.get("metadata"):
@@ -76,10 +80,15 @@ class StoreAddress:
         try:
             local = int(query.get("local_mib", 256)) << 20
             retry = float(query.get("retry_s", 5.0))
+            lookup = float(query.get("lookup_s", 1.0))
         except ValueError:
-            raise ValueError(f"local_mib and retry_s must be numbers in {url!r}") from None
-        if local <= 0 or retry < 0:
-            raise ValueError(f"local_mib must be positive and retry_s not negative in {url!r}")
+            raise ValueError(
+                f"local_mib, retry_s and lookup_s must be numbers in {url!r}"
+            ) from None
+        if local <= 0 or retry < 0 or not lookup > 0:
+            raise ValueError(
+                f"local_mib and lookup_s must be positive and retry_s not negative in {url!r}"
+            )
         return cls(
             master=f"{parts.hostname}:{parts.port}",
             metadata=query["metadata"],
@@ -87,6 +96,7 @@ class StoreAddress:
             host=query.get("host", ""),
             local_bytes=local,
             retry_s=retry,
+            lookup_s=lookup,
         )
 
     def local_host(self) -> str:

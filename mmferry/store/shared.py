@@ -1,7 +1,9 @@
 """`SharedStore`: a pool of encoders shares one cache in a Mooncake Store (`serve --store`).
 
 Before an item is queued for the encoder, its entry is looked for in the store (on a thread of
-its own, never the event loop) and, when found and checked, put in the local cache, so the
+its own, never the event loop; the request waits at most the address's `lookup_s`, and while a
+lookup older than that is still running, none) and, when found and checked, put in the local
+cache, so the
 batcher answers it without an encoder call; every item this service encodes is published after
 its request is answered (on another thread, off the request's path). The store is only ever a
 shortcut: a store that is down, full or holding a bad entry leaves the service as it is without
@@ -97,6 +99,7 @@ class SharedStore:
         self._connecting = threading.Lock()
         self._connect_pending = False
         self._publishing = 0
+        self._reading_since: float | None = None  # when the lookup running now began
         # One thread reads, one publishes: a slow publish never holds up a lookup.
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="mmferry-store-get")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="mmferry-store-put")
@@ -145,6 +148,15 @@ class SharedStore:
 
     def _fetch(self, items: list[MultimodalItem]) -> dict[str, VisionOutput]:
         """On the reader thread: the checked rows of every item found in the store."""
+        with self._lock:
+            self._reading_since = time.monotonic()
+        try:
+            return self._fetch_all(items)
+        finally:
+            with self._lock:
+                self._reading_since = None
+
+    def _fetch_all(self, items: list[MultimodalItem]) -> dict[str, VisionOutput]:
         found: dict[str, VisionOutput] = {}
         enc = self.encoder
         for it in items:
@@ -193,8 +205,23 @@ class SharedStore:
             self._connect_soon()
             self.metrics.misses.inc(len(wanted))
             return
+        with self._lock:
+            reading = self._reading_since
+        if reading is not None and time.monotonic() - reading > self.address.lookup_s:
+            # The last lookup has not come back (a store cut off answers nothing, fails
+            # nothing): these are misses at once, not another wait behind it.
+            self.metrics.errors.labels("get").inc()
+            self.metrics.misses.inc(len(wanted))
+            return
         loop = asyncio.get_running_loop()
-        found = await loop.run_in_executor(self._reader, self._fetch, list(wanted.values()))
+        call = loop.run_in_executor(self._reader, self._fetch, list(wanted.values()))
+        try:
+            found = await asyncio.wait_for(asyncio.shield(call), self.address.lookup_s)
+        except TimeoutError:
+            self.metrics.errors.labels("get").inc()
+            self.metrics.misses.inc(len(wanted))
+            self._note(False, f"no answer to a lookup within {self.address.lookup_s:g} s")
+            return
         for h, out in found.items():
             cache.put(h, out)
             self._remember(h)

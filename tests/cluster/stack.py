@@ -18,7 +18,8 @@ HERE = Path(__file__).parent
 
 def env(**extra: str) -> dict[str, str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("MMFERRY_")}
-    full.update(PYTHONPATH=str(ROOT), **extra)
+    full["PYTHONPATH"] = str(ROOT)
+    full.update(extra)
     return full
 
 

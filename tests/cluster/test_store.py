@@ -1,0 +1,161 @@
+"""`mmferry serve --store` on hosts E1 and E2 with the Mooncake master and its holder on host S:
+rows E1 published are read by E2 from S's memory over the links (Mooncake's TCP transfer
+between network stacks, the bytes on the links' counters), and when S's link goes down in the
+middle of a stream of requests, no request fails, none waits past the documented deadline and
+neither encoder freezes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from mmferry.server.client import EncoderClient, image_part
+from tests.cluster import mooncake, stack
+from tests.server.conftest import png
+from tests.store import cluster as local
+
+pytestmark = pytest.mark.skipif(not local.installed(), reason="needs `make mooncake-venv`")
+
+SIDE = 448  # pixels: with the built-in tower's 1-layer cut, rows of 256 tokens
+ARGS = ["--depth", "1", "--max-pixels", str(SIDE * SIDE), "--cache-mib", "64"]
+
+
+@pytest.fixture(scope="module")
+def pool(make_net):
+    net = make_net(["s", "e1", "e2"])
+    store = mooncake.Store(net["s"]).start(net)
+    urls = {}
+    for name in ("e1", "e2"):
+        h = net[name]
+        args = ["-m", "mmferry", "serve", "--host", h.addr, "--port", "0", "--shm-mib", "0"]
+        args += ["--preprocess-threads", "1", *ARGS, "--store", store.url]
+        urls[name] = stack.start(net, h, f"serve-{name}", args, extra_env=mooncake.env(h))
+    return net, store, urls
+
+
+def encode(url: str, seed: int, timeout: float = 120.0):
+    with EncoderClient(url, timeout=timeout) as c:
+        (item,) = c.encode([image_part(png(SIDE, SIDE, seed))])
+    return item
+
+
+def metric(url: str, name: str) -> float:
+    return stack.scrape(url, name + "_total")
+
+
+def wait_for(check, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_rows_cross_hosts_through_the_store(pool):
+    net, _, urls = pool
+    s, e2 = net["s"], net["e2"]
+    first = encode(urls["e1"], seed=1)
+    wait_for(lambda: metric(urls["e1"], "mmferry_store_published") >= 1, "E1's publication")
+    entry = metric(urls["e1"], "mmferry_store_bytes")
+    assert entry > first.embeds.numel() * first.embeds.element_size()
+    s_sent, e2_got = s.counters()[1], e2.counters()[0]
+    encoded = metric(urls["e2"], "mmferry_encoded_items")
+    second = encode(urls["e2"], seed=1)
+    assert metric(urls["e2"], "mmferry_encoded_items") == encoded  # no encoder call on E2
+    assert metric(urls["e2"], "mmferry_store_hits") == 1
+    assert torch.equal(second.embeds.view(torch.uint8), first.embeds.view(torch.uint8))
+    # The entry left S's memory over S's link and reached E2 over E2's.
+    moved_s = s.counters()[1] - s_sent
+    moved_e2 = e2.counters()[0] - e2_got
+    print(f"\nentry {entry:.0f} B; S sent {moved_s} B, E2 received {moved_e2} B")
+    assert moved_s >= entry and moved_e2 >= entry
+
+
+def test_store_link_down_costs_no_request(pool):
+    net, store, urls = pool
+    s = net["s"]
+    results: list[tuple[str, float, float, str]] = []
+    gaps = {"e1": 0.0, "e2": 0.0}
+    stop = threading.Event()
+
+    def stream(name: str, base: int) -> None:
+        n = 0
+        while not stop.is_set():
+            t = time.monotonic()
+            try:
+                encode(urls[name], seed=base + n)
+                ok = "ok"
+            except Exception as e:  # noqa: BLE001 - recorded, asserted below
+                ok = f"{type(e).__name__}: {e}"
+            results.append((name, t, time.monotonic(), ok))
+            n += 1
+            stop.wait(0.5)
+
+    def watch(name: str) -> None:
+        # A frozen process (the GIL held by a store call) misses its health checks.
+        last = time.monotonic()
+        while not stop.is_set():
+            try:
+                httpx.get(f"{urls[name]}/health", timeout=0.5)
+                now = time.monotonic()
+                gaps[name] = max(gaps[name], now - last)
+                last = now
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+
+    threads = [
+        threading.Thread(target=stream, args=(n, b)) for n, b in (("e1", 1000), ("e2", 2000))
+    ]
+    threads += [threading.Thread(target=watch, args=(n,)) for n in ("e1", "e2")]
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    cut = time.monotonic()
+    s.down()
+    time.sleep(25)
+    s.up()
+    back = time.monotonic()
+    time.sleep(10)
+    stop.set()
+    for t in threads:
+        t.join(200)
+    failed = [r for r in results if r[3] != "ok"]
+    during = [r for r in results if cut <= r[1] < back]
+    longest = max(r[2] - r[1] for r in results)
+    report = {
+        "requests": len(results),
+        "failed": len(failed),
+        "during_cut": len(during),
+        "longest_s": round(longest, 2),
+        "health_gap_s": {k: round(v, 2) for k, v in gaps.items()},
+        "store_errors": {n: metric(u, "mmferry_store_errors") for n, u in urls.items()},
+        "took_s": [(r[0], round(r[1] - cut, 1), round(r[2] - r[1], 2)) for r in results],
+    }
+    print("\nS link down:", json.dumps(report))
+    assert not failed, failed[:3]
+    assert during, "no request ran while S was cut"
+    assert max(gaps.values()) < 2.0, report
+    # The lookup's deadline (lookup_s, 1 s) and one encode (about 3 s here before the cut):
+    # without the deadline a lookup waits for the link to come back (29 s in a 25 s cut).
+    assert longest < 8.0, report
+    # Back: E2 takes from the store what E1 publishes now.
+    seed, deadline = 5000, time.monotonic() + 90
+    while True:
+        published = metric(urls["e1"], "mmferry_store_published")
+        encode(urls["e1"], seed)
+        time.sleep(1)
+        if metric(urls["e1"], "mmferry_store_published") > published:
+            break
+        assert time.monotonic() < deadline, "E1 never published again"
+        seed += 1
+    deadline = time.monotonic() + 60
+    hits = metric(urls["e2"], "mmferry_store_hits")
+    while metric(urls["e2"], "mmferry_store_hits") == hits:
+        assert time.monotonic() < deadline, "E2 never read from the store again"
+        encode(urls["e2"], seed)
+        time.sleep(1)
