@@ -111,10 +111,17 @@ class Host:
         self.procs.append(proc)
         return proc
 
-    def run(self, args: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess:
+    def run(
+        self, args: list[str], timeout: float = 60.0, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         """Run `args` inside the host to its end."""
         return subprocess.run(
-            self.command(args), capture_output=True, text=True, timeout=timeout, check=False
+            self.command(args),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env=env,
         )
 
     def down(self) -> None:
