@@ -171,10 +171,11 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
     else:
         proc = mf.Processor.for_model(args.random)
     proc = with_options(proc, resize_options(args))  # checked before the tower is built
+    options = graph_options(args)
     if args.model:
         try:
             enc = mf.VisionEncoder.from_pretrained(
-                args.model, device=args.device, dtype=dtype, family=family
+                args.model, device=args.device, dtype=dtype, family=family, **options
             )
         except (OSError, ValueError) as e:
             raise load_error(args.model, e) from None
@@ -184,8 +185,30 @@ def build(args: argparse.Namespace):  # -> tuple[Processor, VisionEncoder]
         if args.depth < 1:  # --depth 0 is a mistake, not "all layers"
             raise UsageError(f"--depth must be at least 1, got {args.depth}")
         cfg = cfg.with_depth(args.depth)
-    enc = mf.VisionEncoder.random(config=cfg, device=args.device, dtype=dtype)
+    enc = mf.VisionEncoder.random(config=cfg, device=args.device, dtype=dtype, **options)
     return proc, enc
+
+
+def graph_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The encoder's CUDA-graph options from `serve --cuda-graphs` (none for other commands)."""
+    import torch
+
+    from mmferry.encoder.budgets import LARGEST_BUDGET, SMALLEST_BUDGET, token_budgets
+
+    if not getattr(args, "cuda_graphs", False):
+        return {}
+    if torch.device(args.device).type != "cuda":
+        raise UsageError(f"--cuda-graphs needs a CUDA --device, not {quoted(args.device)}")
+    if args.cuda_graph_mib < 0:
+        raise UsageError(f"--cuda-graph-mib must be at least 0, got {args.cuda_graph_mib}")
+    # Budgets up to the largest call the batcher makes (a single larger item runs eagerly).
+    calls = max(args.max_batch_patches, SMALLEST_BUDGET)
+    largest = min(1 << (calls - 1).bit_length(), LARGEST_BUDGET)
+    return dict(
+        cuda_graphs=True,
+        token_budgets=token_budgets(SMALLEST_BUDGET, largest),
+        graph_memory_limit=args.cuda_graph_mib << 20,
+    )
 
 
 def native_only(model: str, family: str | None = None) -> None:

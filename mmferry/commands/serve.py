@@ -60,6 +60,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-batching", action="store_true", help="one item per encoder call")
     p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="CUDA only: pad each encoder call to a token budget (powers of two from 1k patches "
+        "to --max-batch-patches) and replay that budget's captured CUDA graph",
+    )
+    p.add_argument(
+        "--cuda-graph-mib",
+        type=int,
+        default=8192,
+        help="with --cuda-graphs: device memory all captured graphs may hold (MiB); a budget "
+        "past it runs eagerly",
+    )
+    p.add_argument(
         "--batch-wait-ms", type=float, default=0.0, help="wait for more items before a call"
     )
     p.add_argument(
