@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from mmferry.prompt.expand import ExpandedPrompt
     from mmferry.prompt.mrope import Advance
     from mmferry.prompt.tokenizer import TimestampTokenizer
+    from mmferry.prompt.wrapper import VideoWrapper
 
 
 class Processor:
@@ -200,6 +201,7 @@ class Processor:
         layout: Layout = "hf",
         sources: SourcePolicy | None = None,
         mrope_advance: Advance = "extent",
+        video_wrapper: VideoWrapper = "auto",
         threads: int | None = None,
         **template_kwargs: Any,
     ) -> str | list[int] | ChatPrompt:
@@ -225,6 +227,7 @@ class Processor:
             layout=layout,
             sources=sources or LIBRARY_POLICY,
             mrope_advance=mrope_advance,
+            video_wrapper=video_wrapper,
             threads=threads,
             **template_kwargs,
         )
@@ -235,11 +238,14 @@ class Processor:
         items: Sequence[MultimodalItem],
         *,
         mrope_advance: Advance = "extent",
+        video_wrapper: VideoWrapper = "auto",
     ) -> ExpandedPrompt:
         """Expand each placeholder to its tokens; offsets and mRoPE positions.
 
         `mrope_advance="spatial"` reproduces transformers 5.x positions after Qwen2/2.5-VL
-        videos (see `mmferry.prompt.mrope`)."""
+        videos (see `mmferry.prompt.mrope`). `video_wrapper` says whether a Qwen3-family video
+        keeps the template's outer `<|vision_start|>`/`<|vision_end|>`: "auto" (the installed
+        transformers' form), "keep" or "drop" (see `mmferry.prompt.wrapper`)."""
         from mmferry.prompt.expand import expand_prompt
 
         needs_text = spec_for(self.config.family).timestamps_in_prompt and any(
@@ -251,4 +257,5 @@ class Processor:
             self.config,
             tokenizer=self.tokenizer if needs_text else None,
             mrope_advance=mrope_advance,
+            video_wrapper=video_wrapper,
         )

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from mmferry.prompt.expand import ExpandedPrompt
     from mmferry.prompt.mrope import Advance
     from mmferry.prompt.tokenizer import TimestampTokenizer
+    from mmferry.prompt.wrapper import VideoWrapper
 
 # Per-call video options that transformers' apply_chat_template turns into sampling.
 _CALL_VIDEO = ("fps", "num_frames")
@@ -50,7 +51,12 @@ class ChatProcessor(Configured, Protocol):
     def with_options(self, options: dict[str, Any]) -> ChatProcessor: ...
 
     def expand_prompt(
-        self, input_ids: Sequence[int], items: Sequence[MultimodalItem], *, mrope_advance: Advance
+        self,
+        input_ids: Sequence[int],
+        items: Sequence[MultimodalItem],
+        *,
+        mrope_advance: Advance,
+        video_wrapper: VideoWrapper,
     ) -> ExpandedPrompt: ...
 
 
@@ -140,6 +146,7 @@ def apply_chat_template(
     layout: Layout = "hf",
     sources: SourcePolicy = LIBRARY_POLICY,
     mrope_advance: Advance = "extent",
+    video_wrapper: VideoWrapper = "auto",
     threads: int | None = None,
     **template_kwargs: Any,
 ) -> str | list[int] | ChatPrompt:
@@ -174,7 +181,9 @@ def apply_chat_template(
     items = _build_items(worker, parsed.media, layout, call, threads)
     ids = proc.tokenizer.encode_uncached(text)
     try:
-        prompt = worker.expand_prompt(ids, items, mrope_advance=mrope_advance)
+        prompt = worker.expand_prompt(
+            ids, items, mrope_advance=mrope_advance, video_wrapper=video_wrapper
+        )
     except ValueError as e:
         raise PartError(
             f"the rendered template does not hold one placeholder per item: {e}"

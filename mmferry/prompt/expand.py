@@ -5,8 +5,10 @@ The chat template writes one `<|image_pad|>` / `<|video_pad|>` per item, wrapped
 transformers 5.x's Qwen-VL processors do, so the wrapper stays:
 - images and Qwen2/2.5-VL videos: the pad becomes `num_tokens` pads (one offset span);
 - Qwen3-VL videos: the pad becomes, per temporal patch, `<{t:.1f} seconds>` (tokenised) +
-  `<|vision_start|>` + `h*w/merge**2` pads + `<|vision_end|>` (one offset span per frame), so
-  the prompt reads `<|vision_start|><0.3 seconds><|vision_start|>...<|vision_end|><|vision_end|>`.
+  `<|vision_start|>` + `h*w/merge**2` pads + `<|vision_end|>` (one offset span per frame). The
+  template's own pair around the pad is dropped or kept as the installed transformers does
+  (`video_wrapper`, see `prompt.wrapper`): `<0.3 seconds><|vision_start|>...<|vision_end|>` or
+  `<|vision_start|><0.3 seconds><|vision_start|>...<|vision_end|><|vision_end|>`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from mmferry.items import MultimodalItem
 from mmferry.models import spec_for
 from mmferry.prompt.mrope import Advance, VisionSpan, mrope_positions
 from mmferry.prompt.tokenizer import load_tokenizer
+from mmferry.prompt.wrapper import VideoWrapper, keeps_outer_pair
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,26 @@ def _check_counts(name: str, found: int, items: list[MultimodalItem], token: str
     )
 
 
+def _stamp(seconds: float) -> str:
+    return f"<{seconds:.1f} seconds>"
+
+
+def _retokenised_lead(
+    ids: np.ndarray, cursor: int, stop: int, encoder: Any, first: float
+) -> tuple[int, list[int] | None]:
+    """Where the text before a video's first timestamp begins, and that text's ids tokenised
+    together with the timestamp: with no `<|vision_start|>` between them (the pair dropped, or a
+    bare pad), a processor tokenises them as one piece (" <" can be one token). (stop, None)
+    when no text abuts the timestamp or the tokenizer cannot re-tokenise it."""
+    run = ids[cursor:stop]
+    split = np.flatnonzero(np.isin(run, np.fromiter(encoder.added_ids, np.int64)))
+    begin = cursor + (int(split[-1]) + 1 if split.size else 0)
+    if begin == stop:
+        return stop, None
+    lead = encoder.joined(ids[begin:stop].tolist(), _stamp(first))
+    return (stop, None) if lead is None else (begin, lead)
+
+
 def expand_prompt(
     input_ids: Any,
     items: Sequence[MultimodalItem],
@@ -76,10 +99,13 @@ def expand_prompt(
     *,
     tokenizer: Any = None,
     mrope_advance: Advance = "extent",
+    video_wrapper: VideoWrapper = "auto",
 ) -> ExpandedPrompt:
     """Expand each image/video placeholder to its item's tokens; offsets and mRoPE positions.
 
-    `mrope_advance` picks where text resumes after a Qwen2/2.5-VL video (see `prompt.mrope`).
+    `mrope_advance` picks where text resumes after a Qwen2/2.5-VL video (see `prompt.mrope`);
+    `video_wrapper` whether a timestamped video keeps the template's outer vision pair (see
+    `prompt.wrapper`; "auto" follows the installed transformers).
     """
     ids = _as_id_array(input_ids)
     tok = cfg.tokens
@@ -93,8 +119,10 @@ def expand_prompt(
     spec = spec_for(cfg.family)
     timestamps_in_text = spec.timestamps_in_prompt
     encoder = None
+    drop_pair = False
     if timestamps_in_text and videos:
         encoder = load_tokenizer(tokenizer)
+        drop_pair = not keeps_outer_pair(video_wrapper)
 
     # (placeholder index, item index) in prompt order.
     order = sorted(zip(image_at + video_at, images + videos))
@@ -105,24 +133,38 @@ def expand_prompt(
     out_len = 0  # tokens written so far
     for at, k in order:
         item = items[k]
-        pieces.append(ids[cursor:at])
-        out_len += at - cursor
-        cursor = at + 1
+        timestamped = item.modality == "video" and timestamps_in_text
+        if timestamped and item.timestamps is None:
+            raise ValueError(
+                "this model's video items need one timestamp per temporal patch "
+                "(item.timestamps); build it with Processor.video"
+            )
+        # NOTE: only a pad wrapped exactly as `<|vision_start|><pad><|vision_end|>` loses the
+        # pair (transformers matches that triplet); a bare pad expands in place either way.
+        wrapped = bool(
+            drop_pair
+            and timestamped
+            and at > cursor
+            and ids[at - 1] == tok.vision_start
+            and at + 1 < len(ids)
+            and ids[at + 1] == tok.vision_end
+        )
+        stop, lead = at - int(wrapped), None
+        if timestamped and item.timestamps:
+            stop, lead = _retokenised_lead(ids, cursor, stop, encoder, item.timestamps[0])
+        pieces.append(ids[cursor:stop])
+        out_len += stop - cursor
+        cursor = at + 1 + int(wrapped)
         t, h, w = item.grid_thw
         m = item.merge_size
         gh, gw = h // m, w // m
-        if item.modality == "video" and timestamps_in_text:
-            if item.timestamps is None:
-                raise ValueError(
-                    "this model's video items need one timestamp per temporal patch "
-                    "(item.timestamps); build it with Processor.video"
-                )
+        if timestamped:
             per_frame = gh * gw
             # [vision_start, pad * per_frame, vision_end], shared by every frame of this video.
             body = np.full(per_frame + 2, tok.video, dtype=np.int64)
             body[0], body[-1] = tok.vision_start, tok.vision_end
-            for ts in item.timestamps:
-                text = encoder.encode_cached(f"<{ts:.1f} seconds>")
+            for f, ts in enumerate(item.timestamps):
+                text = lead if f == 0 and lead is not None else encoder.encode_cached(_stamp(ts))
                 pieces += [np.asarray(text, dtype=np.int64), body]
                 start = out_len + len(text) + 1
                 offsets[k].append((start, start + per_frame))

@@ -30,9 +30,22 @@ class TimestampTokenizer(Protocol):
 
 
 class CachedTokenizer:
-    """A tokenizer behind `encode(text) -> list[int]`: no special tokens, each string once."""
+    """A tokenizer behind `encode(text) -> list[int]`: no special tokens, each string once.
 
-    def __init__(self, encode_fn: Callable[[str], Any], *, maxsize: int = 4096) -> None:
+    With `decode_fn` and `added_ids` (the ids that split text into pieces tokenised apart, as a
+    tokenizer's added tokens do) it can also re-tokenise text that now abuts new text
+    (`joined`)."""
+
+    def __init__(
+        self,
+        encode_fn: Callable[[str], Any],
+        *,
+        maxsize: int = 4096,
+        decode_fn: Callable[[list[int]], str] | None = None,
+        added_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self._decode = decode_fn
+        self.added_ids = added_ids
         def encode_once(text: str) -> tuple[int, ...]:
             out = encode_fn(text)
             ids = getattr(out, "ids", out)  # tokenizers.Encoding carries its ids in `.ids`
@@ -52,6 +65,17 @@ class CachedTokenizer:
     def encode_cached(self, text: str) -> tuple[int, ...]:
         """The cached ids as an immutable tuple (no copy)."""
         return self._encode(text)
+
+    def joined(self, ids: list[int], text: str) -> list[int] | None:
+        """The ids of (the text `ids` spell) + `text` tokenised as one piece, as a processor
+        that writes `text` straight after them gets; None when this tokenizer cannot tell (no
+        decoder, or `ids` do not survive a round trip through their text)."""
+        if self._decode is None:
+            return None
+        before = self._decode(ids)
+        if list(self._encode_once(before)) != ids:
+            return None
+        return list(self._encode_once(before + text))
 
 
 def _accepts_add_special_tokens(encode: Callable[..., Any]) -> bool:
@@ -75,8 +99,16 @@ def _from_file(path: Path) -> CachedTokenizer:
         raise ImportError(
             f"reading {path} needs the `tokenizers` package: {_INSTALL_HINT}"
         ) from None
-    tok = Tokenizer.from_file(str(path))
-    return CachedTokenizer(lambda text: tok.encode(text, add_special_tokens=False).ids)
+    return _from_tokenizers(Tokenizer.from_file(str(path)))
+
+
+def _from_tokenizers(tok: Any) -> CachedTokenizer:
+    """A `tokenizers.Tokenizer`: every added token splits the text it sits in."""
+    return CachedTokenizer(
+        lambda text: tok.encode(text, add_special_tokens=False).ids,
+        decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=False),
+        added_ids=frozenset(tok.get_added_tokens_decoder()),
+    )
 
 
 def load_tokenizer(x: Any) -> CachedTokenizer:
@@ -95,6 +127,18 @@ def load_tokenizer(x: Any) -> CachedTokenizer:
         )
     # `tokenizers.Tokenizer` and transformers tokenizers both add BOS/EOS-style tokens unless
     # told not to; the timestamp sits in the middle of a prompt, so it must not get any.
-    if _accepts_add_special_tokens(encode) or type(x).__module__.startswith("tokenizers"):
+    if type(x).__module__.startswith("tokenizers"):
+        return _from_tokenizers(x)
+    if _accepts_add_special_tokens(encode):
+        added = getattr(x, "added_tokens_decoder", None)
+        decode = getattr(x, "decode", None)
+        if isinstance(added, dict) and callable(decode):  # a transformers tokenizer
+            return CachedTokenizer(
+                lambda text: encode(text, add_special_tokens=False),
+                decode_fn=lambda ids: decode(
+                    ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+                ),
+                added_ids=frozenset(int(i) for i in added),
+            )
         return CachedTokenizer(lambda text: encode(text, add_special_tokens=False))
     return CachedTokenizer(encode)

@@ -1,5 +1,6 @@
-"""Prompt expansion against transformers 5.24's Qwen2VLProcessor / Qwen2_5_VLProcessor /
-Qwen3VLProcessor, token for token, plus offsets, errors and the Processor front door.
+"""Prompt expansion against the installed transformers' Qwen2VLProcessor / Qwen2_5_VLProcessor /
+Qwen3VLProcessor (5.25, and 5.24 in `make test`'s second run), token for token, plus offsets,
+errors and the Processor front door.
 
 What is compared: the processors' own `__call__` (placeholder check, `replace_image_token` /
 `replace_video_token`, `get_text_with_replacements`, tokenisation, `mm_token_type_ids`) with
@@ -14,12 +15,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import transformers
 from PIL import Image
 from prompt_helpers import TOK, hf_processor, hf_timestamps, make_item
 
 import mmferry
 from mmferry.models import preset
 from mmferry.prompt.expand import expand_prompt
+from mmferry.prompt.wrapper import kept_by
 
 VS, VE, IMG, VID = TOK.vision_start, TOK.vision_end, TOK.image, TOK.video
 
@@ -77,16 +80,20 @@ def test_matches_transformers_processor(family, hf_tokenizer, tokenizer_json, hf
     assert out.mrope_delta == delta
 
     if family == "qwen3_vl":
+        # The installed release's form: the template's pair around the frames kept or dropped.
         text = hf_tokenizer.decode(out.input_ids)
-        assert "<|vision_start|> < 0 . 3 seconds > <|vision_start|>" in text  # E8's first frame
+        first = "< 0 . 3 seconds > <|vision_start|>"  # E8's first frame
+        assert first in text
+        assert ("<|vision_start|> " + first in text) == kept_by(transformers.__version__)
 
 
-def test_offsets_point_at_pad_tokens(tokenizer_json):
+@pytest.mark.parametrize("wrapper", ["keep", "drop"])
+def test_offsets_point_at_pad_tokens(tokenizer_json, wrapper):
     cfg = preset("qwen3-vl")
     image = make_item("image", (1, 4, 6))
     video = make_item("video", (3, 4, 4), timestamps=(0.3, 1.3, 2.4))
     ids = [100, VS, VID, VE, 101, VS, IMG, VE, 102]
-    out = expand_prompt(ids, [image, video], cfg, tokenizer=tokenizer_json)
+    out = expand_prompt(ids, [image, video], cfg, tokenizer=tokenizer_json, video_wrapper=wrapper)
     got = out.input_ids
     assert out.offsets[0] == [(s, s + 6) for s in [got.index(IMG)]]
     assert len(out.offsets[1]) == 3
@@ -99,8 +106,12 @@ def test_offsets_point_at_pad_tokens(tokenizer_json):
         digits = [10 + int(c) for c in ts.replace(".", "")]
         assert got[s - 1 - 2 - len(ts) - 1 : s - 1] == [1, *digits[:-1], 3, digits[-1], 4, 2]
     assert got.count(VID) == 12 and got.count(IMG) == 6
-    assert got[1] == VS and got[2] == 1  # the chat template's own wrapper stays
-    assert len(got) == len(ids) - 2 + 6 + 3 * (6 + 1 + 4 + 1)  # 6 timestamp tokens per frame
+    kept = wrapper == "keep"
+    # The chat template's own pair stays around the frames, or goes (2 ids fewer).
+    assert got[1 : 3 if kept else 2] == ([VS, 1] if kept else [1])
+    assert got[got.index(101) - 2 : got.index(101)] == ([VE, VE] if kept else [VID, VE])
+    # 6 timestamp tokens per frame
+    assert len(got) == len(ids) - 2 + 6 + 3 * (6 + 1 + 4 + 1) - (0 if kept else 2)
 
 
 def test_input_forms_agree():
