@@ -68,7 +68,7 @@ static inline void copy_run(void *restrict d, const void *restrict s, size_t n) 
 
 /* Bands [first, last) of temporal patch-major band index (tp * bands_per_frame + i).
  * Returns 0, or -1 when out of memory. */
-int mmferry_patches_u8(const uint8_t *src, ptrdiff_t frame_stride, ptrdiff_t row_stride,
+static int patches_u8_generic(const uint8_t *src, ptrdiff_t frame_stride, ptrdiff_t row_stride,
                        ptrdiff_t pixel_stride,
                        ptrdiff_t h, ptrdiff_t w, ptrdiff_t patch, ptrdiff_t merge,
                        ptrdiff_t group, ptrdiff_t first, ptrdiff_t last, uint8_t *dst) {
@@ -104,7 +104,7 @@ int mmferry_patches_u8(const uint8_t *src, ptrdiff_t frame_stride, ptrdiff_t row
     return 0;
 }
 
-int mmferry_patches_f32(const uint8_t *src, ptrdiff_t frame_stride, ptrdiff_t row_stride,
+static int patches_f32_generic(const uint8_t *src, ptrdiff_t frame_stride, ptrdiff_t row_stride,
                         ptrdiff_t pixel_stride,
                         ptrdiff_t h, ptrdiff_t w, ptrdiff_t patch, ptrdiff_t merge,
                         ptrdiff_t group, ptrdiff_t temporal, const float *scale,
@@ -150,6 +150,188 @@ int mmferry_patches_f32(const uint8_t *src, ptrdiff_t frame_stride, ptrdiff_t ro
     free(line);
     free(pl);
     return 0;
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define MMFERRY_AVX512 1
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi")))
+
+/* The AVX-512 path (VBMI byte permutes; Ice Lake, Sapphire Rapids and later Xeons, Zen 4 and
+ * later EPYCs). No planar band: a patch line of P <= 16 pixels is one masked load from the
+ * HWC row (3 or 4 bytes a pixel), one byte permute puts a channel's values into the low byte
+ * of each 32-bit lane (hf: then converted and normalised with one fma, the same single
+ * rounding as fmaf) or into 16 packed bytes (compact-u8), and the output is written in order.
+ * The patch's source lines stay in L1 across the three channels (and the T copies).
+ *
+ * `stream`: the output goes out with non-temporal stores, full 64-byte lines that skip the
+ * read-for-ownership of a normal store; measured faster for outputs far past the caches
+ * (kernels.py decides by size), slower for small ones that a reader takes from cache. */
+
+/* Byte permute indices: for channel c, lane k's low byte (f32) or byte k (u8) takes source
+ * byte pixel * k + c. */
+AVX512 static __m512i channel_index(ptrdiff_t pixel, ptrdiff_t c, int spread) {
+    uint8_t idx[64];
+    memset(idx, 0, sizeof idx);
+    for (int k = 0; k < 16; k++) idx[spread ? 4 * k : k] = (uint8_t)(pixel * k + c);
+    return _mm512_loadu_si512(idx);
+}
+
+AVX512 static int patches_f32_avx512(const uint8_t *src, ptrdiff_t frame_stride,
+                                     ptrdiff_t row_stride, ptrdiff_t pixel, ptrdiff_t h,
+                                     ptrdiff_t w, ptrdiff_t patch, ptrdiff_t merge,
+                                     ptrdiff_t group, ptrdiff_t temporal, const float *scale,
+                                     const float *shift, ptrdiff_t first, ptrdiff_t last,
+                                     float *dst, int stream) {
+    const ptrdiff_t P = patch, M = merge, B = P * M, a = h / B, b = w / B;
+    const ptrdiff_t row_values = 3 * temporal * P * P, band_values = b * M * M * row_values;
+    /* the bytes a line needs: up to the last pixel's 3rd byte (a 4th may lie past the end) */
+    const __mmask64 load = _cvtu64_mask64(~0ULL >> (64 - (pixel * (P - 1) + 3)));
+    const __mmask16 keep = (__mmask16)((1u << P) - 1);
+    const __mmask64 low = _cvtu64_mask64(0x1111111111111111ULL);
+    stream = stream && P == 16 && ((uintptr_t)dst & 63) == 0;
+    __m512i idx[3];
+    __m512 sc[3], sh[3];
+    for (int c = 0; c < 3; c++) {
+        idx[c] = channel_index(pixel, c, 1);
+        sc[c] = _mm512_set1_ps(scale[c]);
+        sh[c] = _mm512_set1_ps(shift[c]);
+    }
+    for (ptrdiff_t k = first; k < last; k++) {
+        const ptrdiff_t tp = k / a, i = k % a;
+        float *out = dst + k * band_values;
+        for (ptrdiff_t j = 0; j < b; j++)
+            for (ptrdiff_t mi = 0; mi < M; mi++)
+                for (ptrdiff_t mj = 0; mj < M; mj++, out += row_values)
+                    for (ptrdiff_t f = 0; f < group; f++) {
+                        const uint8_t *line = src + (tp * group + f) * frame_stride +
+                                              (i * B + mi * P) * row_stride +
+                                              (j * B + mj * P) * pixel;
+                        for (ptrdiff_t pi = 0; pi < P; pi++, line += row_stride) {
+                            const __m512i v = _mm512_maskz_loadu_epi8(load, line);
+                            for (int c = 0; c < 3; c++) {
+                                const __m512i q = _mm512_maskz_permutexvar_epi8(low, idx[c], v);
+                                const __m512 x =
+                                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sc[c], sh[c]);
+                                /* an image's one frame (f == 0) serves every temporal copy */
+                                const ptrdiff_t t0 = group == 1 ? 0 : f;
+                                const ptrdiff_t t1 = group == 1 ? temporal : f + 1;
+                                for (ptrdiff_t t = t0; t < t1; t++) {
+                                    float *o = out + ((c * temporal + t) * P + pi) * P;
+                                    if (stream)
+                                        _mm512_stream_ps(o, x);
+                                    else
+                                        _mm512_mask_storeu_ps(o, keep, x);
+                                }
+                            }
+                        }
+                    }
+    }
+    if (stream) _mm_sfence();
+    return 0;
+}
+
+AVX512 static int patches_u8_avx512(const uint8_t *src, ptrdiff_t frame_stride,
+                                    ptrdiff_t row_stride, ptrdiff_t pixel, ptrdiff_t h,
+                                    ptrdiff_t w, ptrdiff_t patch, ptrdiff_t merge,
+                                    ptrdiff_t group, ptrdiff_t first, ptrdiff_t last,
+                                    uint8_t *dst, int stream) {
+    const ptrdiff_t P = patch, M = merge, B = P * M, a = h / B, b = w / B;
+    const ptrdiff_t row_bytes = 3 * group * P * P, band_bytes = b * M * M * row_bytes;
+    const __mmask64 load = _cvtu64_mask64(~0ULL >> (64 - (pixel * (P - 1) + 3)));
+    const __mmask16 keep = (__mmask16)((1u << P) - 1);
+    /* full lines only: P == 16 gives 4 patch lines of a channel to a 64-byte line */
+    stream = stream && P == 16 && ((uintptr_t)dst & 63) == 0;
+    __m512i idx[3];
+    for (int c = 0; c < 3; c++) idx[c] = channel_index(pixel, c, 0);
+    for (ptrdiff_t k = first; k < last; k++) {
+        const ptrdiff_t tp = k / a, i = k % a;
+        uint8_t *out = dst + k * band_bytes;
+        for (ptrdiff_t j = 0; j < b; j++)
+            for (ptrdiff_t mi = 0; mi < M; mi++)
+                for (ptrdiff_t mj = 0; mj < M; mj++, out += row_bytes)
+                    for (ptrdiff_t f = 0; f < group; f++) {
+                        const uint8_t *line = src + (tp * group + f) * frame_stride +
+                                              (i * B + mi * P) * row_stride +
+                                              (j * B + mj * P) * pixel;
+                        if (stream) {
+                            for (ptrdiff_t pi = 0; pi < P; pi += 4) {
+                                __m512i v[4];
+                                for (int r = 0; r < 4; r++)
+                                    v[r] = _mm512_maskz_loadu_epi8(load, line + r * row_stride);
+                                for (int c = 0; c < 3; c++) {
+                                    __m512i o = _mm512_castsi128_si512(_mm512_castsi512_si128(
+                                        _mm512_permutexvar_epi8(idx[c], v[0])));
+                                    for (int r = 1; r < 4; r++)
+                                        o = _mm512_inserti32x4(
+                                            o,
+                                            _mm512_castsi512_si128(
+                                                _mm512_permutexvar_epi8(idx[c], v[r])),
+                                            r);
+                                    _mm512_stream_si512(
+                                        (void *)(out + ((c * group + f) * P + pi) * P), o);
+                                }
+                                line += 4 * row_stride;
+                            }
+                            continue;
+                        }
+                        for (ptrdiff_t pi = 0; pi < P; pi++, line += row_stride) {
+                            const __m512i v = _mm512_maskz_loadu_epi8(load, line);
+                            for (int c = 0; c < 3; c++)
+                                _mm_mask_storeu_epi8(
+                                    out + ((c * group + f) * P + pi) * P, keep,
+                                    _mm512_castsi512_si128(_mm512_permutexvar_epi8(idx[c], v)));
+                        }
+                    }
+    }
+    if (stream) _mm_sfence();
+    return 0;
+}
+#endif
+
+/* The widest path this CPU runs: 1 AVX-512 (F, BW, VL, VBMI), 0 the portable one (itself
+ * compiled for AVX2/FMA and plain x86-64, picked by target_clones). */
+int mmferry_patches_isa(void) {
+#ifdef MMFERRY_AVX512
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi"))
+        return 1;
+#endif
+    return 0;
+}
+
+/* `isa`: the path to take, at most mmferry_patches_isa() (kernels.py asks it once; a test
+ * takes each level the CPU has). Patches wider than 16 pixels take the portable path. */
+int mmferry_patches_u8(const uint8_t *src, ptrdiff_t frame_stride, ptrdiff_t row_stride,
+                       ptrdiff_t pixel_stride, ptrdiff_t h, ptrdiff_t w, ptrdiff_t patch,
+                       ptrdiff_t merge, ptrdiff_t group, ptrdiff_t first, ptrdiff_t last,
+                       uint8_t *dst, int isa, int stream) {
+#ifdef MMFERRY_AVX512
+    if (isa >= 1 && patch <= 16 && mmferry_patches_isa() >= 1)
+        return patches_u8_avx512(src, frame_stride, row_stride, pixel_stride, h, w, patch,
+                                 merge, group, first, last, dst, stream);
+#endif
+    (void)isa;
+    (void)stream;
+    return patches_u8_generic(src, frame_stride, row_stride, pixel_stride, h, w, patch, merge,
+                              group, first, last, dst);
+}
+
+int mmferry_patches_f32(const uint8_t *src, ptrdiff_t frame_stride, ptrdiff_t row_stride,
+                        ptrdiff_t pixel_stride, ptrdiff_t h, ptrdiff_t w, ptrdiff_t patch,
+                        ptrdiff_t merge, ptrdiff_t group, ptrdiff_t temporal, const float *scale,
+                        const float *shift, ptrdiff_t first, ptrdiff_t last, float *dst,
+                        int isa, int stream) {
+#ifdef MMFERRY_AVX512
+    if (isa >= 1 && patch <= 16 && mmferry_patches_isa() >= 1)
+        return patches_f32_avx512(src, frame_stride, row_stride, pixel_stride, h, w, patch,
+                                  merge, group, temporal, scale, shift, first, last, dst, stream);
+#endif
+    (void)isa;
+    (void)stream;
+    return patches_f32_generic(src, frame_stride, row_stride, pixel_stride, h, w, patch, merge,
+                               group, temporal, scale, shift, first, last, dst);
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_patches", NULL, -1, NULL};

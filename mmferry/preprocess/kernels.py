@@ -5,6 +5,10 @@ it, `patch_rows` returns False and patchify.py uses its torch path, which gives 
 The kernel reads RGB frames in HWC memory (pixel stride 3, or 4 with the 4th byte unused;
 channel stride 1; rows of any stride), which is what the resize writes; other strides take
 the torch path.
+
+One build serves every x86-64 CPU: the kernel asks the CPU at run time and takes its AVX-512
+path where the CPU has AVX-512 with VBMI (`isa()`), else its portable path (itself built for
+AVX2/FMA and for plain x86-64, picked by the loader). Both give the same bits.
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ from mmferry.preprocess.threads import run_split
 
 _P = ctypes.c_void_p
 _N = ctypes.c_ssize_t
+_I = ctypes.c_int
+# Outputs from this size on are written with non-temporal stores (AVX-512 path): past the
+# caches they skip a read of every line written; a smaller output is read back from cache
+# by the next stage, so it is stored the usual way. NOTE: measured on a Xeon with AVX-512
+# (docs/incoming/preprocess-intel.md).
+STREAM_MIN_BYTES = 4 << 20
 
 
 @cache
@@ -30,10 +40,23 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(spec.origin)
     except OSError:
         return None
-    lib.mmferry_patches_u8.argtypes = [_P, _N, _N, _N, _N, _N, _N, _N, _N, _N, _N, _P]
-    lib.mmferry_patches_f32.argtypes = [_P, _N, _N, _N, _N, _N, _N, _N, _N, _N, _P, _P, _N, _N, _P]
+    if not hasattr(lib, "mmferry_patches_isa"):  # a build of an older source: not used
+        return None
+    lib.mmferry_patches_u8.argtypes = [_P, _N, _N, _N, _N, _N, _N, _N, _N, _N, _N, _P, _I, _I]
+    lib.mmferry_patches_f32.argtypes = [
+        *(_P, _N, _N, _N, _N, _N, _N, _N, _N, _N, _P, _P, _N, _N, _P, _I, _I)
+    ]
     lib.mmferry_patches_u8.restype = lib.mmferry_patches_f32.restype = ctypes.c_int
+    lib.mmferry_patches_isa.restype = ctypes.c_int
     return lib
+
+
+@cache
+def isa() -> int:
+    """The kernel's widest path on this CPU: 1 AVX-512 (F, BW, VL, VBMI), 0 the portable one
+    (AVX2/FMA where the CPU has it), -1 no kernel."""
+    lib = _library()
+    return -1 if lib is None else int(lib.mmferry_patches_isa())
 
 
 def available() -> bool:
@@ -62,10 +85,12 @@ def patch_rows(
     merge: int,
     affine: tuple[torch.Tensor, torch.Tensor] | None,
     threads: int,
+    level: int | None = None,
 ) -> bool:
     """Fill `out` (contiguous: uint8 rows when `affine` is None, else float32 rows normalised
     by `affine` = (scale, shift) per channel) from `frames`; False (nothing written) when the
-    kernel is missing or the frames do not lie in HWC memory."""
+    kernel is missing or the frames do not lie in HWC memory. `level`: the kernel path, at
+    most `isa()` (default: the widest; the tests take each)."""
     lib = _library()
     strides = _hwc_strides(frames)
     if lib is None or strides is None or not out.is_contiguous():
@@ -74,20 +99,21 @@ def patch_rows(
     bands = (f // group) * (h // (patch * merge))
     src, dst = frames.data_ptr(), out.data_ptr()
     geometry = (src, *strides, h, w, patch, merge, group)
+    path = (isa() if level is None else min(level, isa()), out.nbytes >= STREAM_MIN_BYTES)
     if affine is not None:
         scale, shift = (t.contiguous().float() for t in affine)
 
         def fill(first: int, last: int) -> None:
             # NOTE: ctypes releases the GIL for the call, so bands run in parallel.
             code = lib.mmferry_patches_f32(
-                *geometry, temporal, scale.data_ptr(), shift.data_ptr(), first, last, dst
+                *geometry, temporal, scale.data_ptr(), shift.data_ptr(), first, last, dst, *path
             )
             if code:
                 raise MemoryError("the patch-row kernel could not allocate its band buffer")
     else:
 
         def fill(first: int, last: int) -> None:
-            if lib.mmferry_patches_u8(*geometry, first, last, dst):
+            if lib.mmferry_patches_u8(*geometry, first, last, dst, *path):
                 raise MemoryError("the patch-row kernel could not allocate its band buffer")
 
     run_split(bands, threads, fill)

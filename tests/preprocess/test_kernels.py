@@ -35,6 +35,14 @@ def _torch_path(monkeypatch, frames, **kw) -> torch.Tensor:
         return patchify(frames, **kw)
 
 
+# Every path this CPU runs (the AVX-512 one where it has AVX-512 with VBMI, the portable one
+# everywhere), the AVX-512 one with normal and with non-temporal stores.
+PATHS = [(0, False)] + [
+    (level, stream) for level in (1,) if kernels.isa() >= level for stream in (False, True)
+]
+
+
+@pytest.mark.parametrize(("level", "stream"), PATHS)
 @pytest.mark.parametrize("pixel", [3, 4])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(
@@ -48,10 +56,12 @@ def _torch_path(monkeypatch, frames, **kw) -> torch.Tensor:
         (6, 56, 84, 14, 1),
     ],
 )
-def test_kernel_equals_torch_path(monkeypatch, n, h, w, patch, pad, threads, pixel):
+def test_kernel_equals_torch_path(monkeypatch, n, h, w, patch, pad, threads, pixel, level, stream):
     # Every geometry here writes less than an item needs to be split over threads: lower
     # that size, so that threads=3 does split the bands (and the torch path's ranges).
     monkeypatch.setattr(threads_mod, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(kernels, "isa", lambda: level)
+    monkeypatch.setattr(kernels, "STREAM_MIN_BYTES", 0 if stream else 1 << 62)
     parts: list[int] = []
 
     def recorded(n_items: int, n_threads: int, work) -> None:
@@ -70,7 +80,20 @@ def test_kernel_equals_torch_path(monkeypatch, n, h, w, patch, pad, threads, pix
         assert parts == [min(threads, bands)]  # the kernel ran, over this many ranges
         want = _torch_path(monkeypatch, frames, layout=layout, **kw)
         assert got.dtype == want.dtype and got.shape == want.shape
-        assert torch.equal(got, want), (layout, n, h, w, patch, pad, pixel)
+        assert torch.equal(got, want), (layout, n, h, w, patch, pad, pixel, level, stream)
+
+
+def test_the_kernel_takes_the_widest_path_this_cpu_has():
+    """The run-time dispatch: AVX-512 with VBMI where the CPU reports it (one build for
+    every x86-64 CPU), else the portable path."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    wanted = {"avx512f", "avx512bw", "avx512vl", "avx512vbmi"}
+    assert kernels.isa() == (1 if wanted <= flags else 0)
 
 
 def test_kernel_declines_what_it_cannot_read():
