@@ -6,7 +6,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench format vllm-venv mooncake-venv sglang-venv vllm-next bench-venv
+.PHONY: demo test lint bench format docs oracle-latest vllm-venv mooncake-venv sglang-venv vllm-next bench-venv
 
 # vLLM's own environment for the engine tests (tests/engines): the CPU build of vLLM, whose
 # pinned CPU torch comes without torchvision, so torch and torchvision are put back as a pair.
@@ -102,8 +102,35 @@ bench-venv: $(BENCH_STAMP)
 demo: $(STAMP)
 	$(PY) -m mmferry demo
 
-test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(SGLANG_STAMP) $(VLLM_NEXT_STAMP)
+# The oracle's transformers is pinned in `dev` (a new release cannot turn `make test` red without
+# a change of ours). The prompt and chat tests also run against the release before it (5.24,
+# whose Qwen3-VL processor keeps a video's outer vision pair, which mmferry follows), from a
+# folder put ahead of the venv's own on PYTHONPATH; `make oracle-latest` runs them against the
+# newest release on the registry (the scheduled check, .github/workflows/transformers-latest.yml).
+ORACLE_PREV ?= .transformers-prev
+ORACLE_PREV_VERSION ?= 5.24.0
+ORACLE_TESTS := tests/prompt tests/chat
+
+$(ORACLE_PREV)/.installed: | $(STAMP)
+	rm -rf $(ORACLE_PREV)
+	$(PY) -m pip install -q --no-deps --target $(ORACLE_PREV)/site \
+		transformers==$(ORACLE_PREV_VERSION)
+	echo $(ORACLE_PREV_VERSION) > $@
+
+oracle-latest: $(STAMP)
+	rm -rf .transformers-latest
+	$(PY) -m pip install -q --target .transformers-latest/site transformers
+	PYTHONPATH=.transformers-latest/site $(PY) -c 'import transformers as t; print(t.__version__)'
+	PYTHONPATH=.transformers-latest/site $(PY) -m pytest -q -p no:cacheprovider $(ORACLE_TESTS)
+
+test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(SGLANG_STAMP) $(VLLM_NEXT_STAMP) $(ORACLE_PREV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider
+	PYTHONPATH=$(ORACLE_PREV)/site $(PY) -m pytest -q -p no:cacheprovider $(ORACLE_TESTS)
+
+# The documentation site into site/ (mkdocs.yml: strict, so any warning, a broken internal link
+# or anchor included, fails the build). tests/test_docs.py builds it too, inside `make test`.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mmferry tests examples

@@ -126,6 +126,7 @@ def test_the_first_timestamp_merges_with_the_text_before_it(bpe):
     whole = hf(f"Video 1: <{STAMPS[0]:.1f} seconds>")["input_ids"]
     assert apart != whole  # the tokenizer does merge across the point
     assert out.input_ids[: len(whole)] == whole
+
     # A tokenizer that can only encode cannot re-tokenise: the ids then stay apart, as said.
     class EncodeOnly:
         def encode(self, text: str) -> list[int]:
@@ -156,3 +157,17 @@ def test_processor_passes_the_setting_on(bpe):
     assert len(kept.input_ids) == len(dropped.input_ids) + 2
     auto = proc.expand_prompt(ids, [video])
     assert auto.input_ids == (kept if kept_by(transformers.__version__) else dropped).input_ids
+
+
+@pytest.mark.parametrize("name", ["qwen3-vl", "qwen3-vl-moe", "qwen3.5", "qwen3.5-moe"])
+@pytest.mark.parametrize("wrapper", ["keep", "drop"])
+def test_every_qwen3_family(bpe, name, wrapper):
+    path, hf, tokens = bpe
+    cfg = dataclasses.replace(preset(name), tokens=tokens)
+    prompt = PROMPTS[3]  # a video, an image, a video
+    ids = hf(prompt, add_special_tokens=False)["input_ids"]
+    video = make_item("video", GRID, timestamps=STAMPS)
+    items = [video, make_item("image", (1, 4, 6)), video]
+    out = expand_prompt(ids, items, cfg, tokenizer=path, video_wrapper=wrapper)
+    want = hf(_expanded_text(prompt, wrapper == "keep"), add_special_tokens=False)["input_ids"]
+    assert out.input_ids == want
