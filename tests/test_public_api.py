@@ -1,4 +1,4 @@
-"""The README's API lists and each package's `__all__` agree, both ways."""
+"""The library pages' API lists (docs/library/) and each package's `__all__` agree, both ways."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 import mmferry as mf
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+LIBRARY = Path(__file__).resolve().parent.parent / "docs" / "library"
 # A group's first line: **Group** (`mmferry.sub`) — `name`, `name`, ...  (package optional)
 GROUP = re.compile(r"^\*\*[^*]+\*\*(?: \(`(mmferry(?:\.\w+)*)`\))? — (.+)$", re.M)
 PACKAGES = [
@@ -26,9 +26,7 @@ PACKAGES = [
 
 
 def readme_lists() -> dict[str, set[str]]:
-    text = README.read_text()
-    api = text[text.index("## API") :]
-    api = api[: api.index("\n## ", 1)]
+    api = "\n".join(p.read_text() for p in sorted(LIBRARY.glob("*.md")))
     lists: dict[str, set[str]] = {}
     for package, names in GROUP.findall(api):
         lists.setdefault(package or "mmferry", set()).update(re.findall(r"`(\w+)`", names))
@@ -39,8 +37,8 @@ def readme_lists() -> dict[str, set[str]]:
 def test_readme_lists_every_exported_name_and_nothing_else(package):
     exported = set(importlib.import_module(package).__all__) - {"__version__"}
     listed = readme_lists().get(package, set())
-    assert exported - listed == set(), f"exported by {package} but not in the README"
-    assert listed - exported == set(), f"in the README under {package} but not exported"
+    assert exported - listed == set(), f"exported by {package} but not in docs/library"
+    assert listed - exported == set(), f"in docs/library under {package} but not exported"
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,8 @@ import shlex
 import sys
 import traceback
 
-SKIP = ("harness",)
+# harness: the runner; plot: charts from their JSON (`python -m mmferry.bench.plot`).
+SKIP = ("harness", "plot")
 
 
 def available() -> list[str]:

@@ -358,11 +358,12 @@ def test_a_raw_http_client_opens_shm_answers_with_open_handle(server, media_dir)
 
 
 def test_the_readme_curl_body_is_accepted(server, media_dir):
-    """The README's curl example: its headers, and its body with the path made one of ours."""
+    """The encoder service guide's curl example: its headers, and its body with the path made
+    one of ours."""
     import json
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs/guides/encoder-service.md").read_text()
     command = re.search(r"curl -s (.*?)'\n  ```", readme, re.S).group(1)
     assert "-H 'Content-Type: application/json'" in command
     body = json.loads(command.split(" -d '", 1)[1])

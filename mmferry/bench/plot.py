@@ -1,0 +1,150 @@
+"""`python -m mmferry.bench.plot FILE.json ... --out DIR`: PNG charts from benchmarks' own JSON.
+
+Reads what the benchmarks write with `--json` and draws, never from figures typed by hand:
+
+- a harness report (`mmferry bench --json`, `python -m mmferry.bench.NAME --json`): one chart
+  per section, each figure's median ratio (mmferry over its baseline) with its spread over the
+  rounds, `<section>.png`;
+- the face-off (`examples/bench_proxy.py --json`): TTFT p50 per set-up and workload, median
+  and spread over the rounds, `faceoff-<model>.png`;
+- SGLang's disaggregation (`examples/bench_sglang_epd.py --json`): the same for its two encoder
+  sets, `sglang.png`.
+
+Needs matplotlib (`pip install 'mmferry[plot]'`). Prints the files it wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plotting needs matplotlib: pip install 'mmferry[plot]'") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def ratio_chart(title: str, figures: list[dict[str, Any]], path: Path) -> Path:
+    """Median ratio and min-max spread of each figure, one row each, 1x marked."""
+    plt = _pyplot()
+    rows = [f for f in figures if f.get("ratio") is not None]
+    if not rows:
+        raise ValueError(f"{title}: no figures with a ratio")
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 1.6))
+    for y, f in enumerate(reversed(rows)):
+        lo, hi = f.get("ratio_min", f["ratio"]), f.get("ratio_max", f["ratio"])
+        ax.plot([lo, hi], [y, y], color="tab:blue", linewidth=6, alpha=0.35, solid_capstyle="butt")
+        ax.plot([f["ratio"]], [y], "o", color="tab:blue")
+    labels = [f"{f['label']} (vs {f.get('base_name', 'baseline')})" for f in reversed(rows)]
+    ax.set_yticks(range(len(rows)), [label[:90] for label in labels], fontsize=8)
+    ax.axvline(1.0, color="grey", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("mmferry's advantage (x, median and spread over the rounds; > 1: mmferry ahead)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def grouped_bars(
+    title: str, groups: dict[str, dict[str, list[float]]], ylabel: str, path: Path
+) -> Path:
+    """`groups[workload][setup]` = per-round values: median bars with min-max error bars."""
+    plt = _pyplot()
+    works = list(groups)
+    setups = list(dict.fromkeys(s for per in groups.values() for s in per))
+    width = 0.8 / max(len(setups), 1)
+    fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(works)), 4.8))
+    for i, setup in enumerate(setups):
+        xs, meds, lows, highs = [], [], [], []
+        for j, work in enumerate(works):
+            values = groups[work].get(setup)
+            if not values:
+                continue
+            med = statistics.median(values)
+            xs.append(j + (i - (len(setups) - 1) / 2) * width)
+            meds.append(med)
+            lows.append(med - min(values))
+            highs.append(max(values) - med)
+        ax.bar(xs, meds, width, yerr=[lows, highs], capsize=3, label=setup)
+    ax.set_xticks(range(len(works)), works, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def from_report(doc: dict[str, Any], out: Path) -> list[Path]:
+    machine = doc.get("machine", "")
+    return [
+        ratio_chart(f"{section}\n{machine}", figures, out / f"{section}.png")
+        for section, figures in doc["sections"].items()
+        if any(f.get("ratio") is not None for f in figures)
+    ]
+
+
+def from_faceoff(doc: dict[str, Any], out: Path) -> list[Path]:
+    runs = doc["multimodal"]["runs"]
+    groups = {
+        work: {key: [r["median_ttft_ms"] for r in rounds] for key, rounds in per.items()}
+        for work, per in runs.items()
+    }
+    model = Path(str(doc.get("model", "model"))).name or "model"
+    title = f"TTFT p50 per set-up and workload ({model}; median and spread over the rounds)"
+    return [grouped_bars(title, groups, "TTFT p50 (ms)", out / f"faceoff-{model}.png")]
+
+
+def from_sglang(doc: dict[str, Any], out: Path) -> list[Path]:
+    groups: dict[str, dict[str, list[float]]] = {}
+    for key, rounds in doc["runs"].items():  # "distinct / sglang": a list of rounds
+        dataset, _, encoder = key.partition(" / ")
+        groups.setdefault(dataset, {})[encoder] = [r["median_ttft_ms"] for r in rounds]
+    title = "SGLang language-only server: TTFT p50 per encoder set (median and spread)"
+    return [grouped_bars(title, groups, "TTFT p50 (ms)", out / "sglang.png")]
+
+
+def plot_file(path: Path, out: Path) -> list[Path]:
+    """Every chart one JSON file gives, written into `out`."""
+    doc = json.loads(path.read_text())
+    if "sections" in doc:
+        return from_report(doc, out)
+    if "multimodal" in doc:
+        return from_faceoff(doc, out)
+    if "runs" in doc:
+        return from_sglang(doc, out)
+    raise ValueError(f"{path}: not a benchmark's --json output (no sections, multimodal or runs)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mmferry.bench.plot", description=__doc__)
+    p.add_argument("files", nargs="+", type=Path, help="JSON written by a benchmark's --json")
+    p.add_argument("--out", type=Path, default=Path("."), help="folder for the PNGs")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for path in args.files:
+        try:
+            written = plot_file(path, args.out)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"{path}: {e}", file=sys.stderr)
+            return 2
+        for w in written:
+            print(w)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
