@@ -131,3 +131,23 @@ def test_the_site_builds_strict(tmp_path):
         assert option in cli, f"{option} missing from the generated CLI page"
     api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
     assert "merge_vision_embeddings" in api and "prefill_step" in api
+
+
+def test_operations_names_every_limit_and_timeout():
+    """docs/operations/index.md names every `--limit-*` and `--*-timeout` option of `mmferry
+    serve` and `mmferry proxy`, read from the parsers, so a new one cannot go unexplained."""
+    from mmferry.cli import build_parser
+
+    page = (ROOT / "docs" / "operations" / "index.md").read_text()
+    _, parsers, _ = build_parser()
+    options = {
+        opt
+        for name in ("serve", "proxy")
+        for action in parsers[name]._actions
+        if action.help != "==SUPPRESS=="
+        for opt in action.option_strings
+        if opt.startswith("--limit-") or opt.endswith("-timeout")
+    }
+    assert len(options) >= 8, options
+    missing = sorted(o for o in options if f"`{o}`" not in page)
+    assert not missing, f"docs/operations/index.md does not name {missing}"
