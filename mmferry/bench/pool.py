@@ -16,9 +16,10 @@ modulo placement would move, beside it; round-robin and random keep no key on an
 nothing of theirs can move: every repeat already lands anywhere).
 
 The model leaves out encode times, a shared store (`serve --store`, which turns every miss an
-encoder can read from it into a hit) and failures. Pure CPU: about 5 minutes at the full size
-on one core, seconds with --quick (10^5 requests, 10^4 images). No timing is measured, so
-nothing here is interleaved or repeated: the stream is seeded, the figures exact.
+encoder can read from it into a hit) and failures. Pure CPU: about 25 minutes at the full size
+on one core (the 256-encoder pool most of it: the Router's bound sums every encoder's load at
+each placement), about a minute with --quick (10^5 requests, 10^4 images). No timing is
+measured, so nothing here is interleaved or repeated: the stream is seeded, the figures exact.
 
 Goals: hash routing's hit rate within 5 % of one big cache; imbalance at most 1.1 at 64
 encoders. Each is printed as met or not, never asserted (a model, not a test).
