@@ -35,6 +35,7 @@ __all__ = ["Host", "Net", "unavailable"]
 RANGE = ipaddress.ip_network("198.18.0.0/15")
 PREFIX = "mf"  # every name of a run starts with this and the run's id
 SHM = Path("/dev/shm")
+NOWHERE = "02:00:00:00:00:01"  # a locally administered MAC no host of a run has
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -130,6 +131,29 @@ class Host:
 
     def up(self) -> None:
         _ip("link", "set", self.veth, "up")
+
+    def cut_from(self, other: Host) -> None:
+        """Cut this host off from `other` only, both ways, silently (both keep every other
+        peer): each one's neighbour entry for the other points at a MAC no host has, so their
+        frames to each other are dropped on the bridge, as a partition between two racks."""
+        for a, b in ((self, other), (other, self)):
+            _ip(
+                "-n",
+                a.ns,
+                "neigh",
+                "replace",
+                b.addr,
+                "lladdr",
+                NOWHERE,
+                "dev",
+                a.inner,
+                "nud",
+                "permanent",
+            )
+
+    def heal_from(self, other: Host) -> None:
+        for a, b in ((self, other), (other, self)):
+            _ip("-n", a.ns, "neigh", "del", b.addr, "dev", a.inner, check=False)
 
     def shape(self, rate: str) -> None:
         """Limit both directions of the host's link to `rate` (tc's units: 1gbit, 10gbit)."""

@@ -4,6 +4,7 @@ rate, the links count their bytes, and nothing of a run outlives it."""
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from pathlib import Path
@@ -106,3 +107,19 @@ def test_nothing_of_a_run_remains(netns, tmp_path):
         net.stop()
     assert net.leftovers() == []
     assert not Path(f"/sys/class/net/{x.veth}").exists()
+
+
+def test_a_cut_between_two_hosts_leaves_the_others(net):
+    a, b = net["a"], net["b"]
+    b.cut_from(a)
+    try:
+        status, kind, _ = send(net, "b", a.addr, 10, timeout=1.5)
+        assert (status, kind) == ("error", "TimeoutError")
+        # The test's own namespace still reaches a.
+        with socket.create_connection((a.addr, PORT), timeout=5) as s:
+            s.sendall(b"xyz")
+            s.shutdown(socket.SHUT_WR)
+            assert s.recv(64) == b"3"
+    finally:
+        b.heal_from(a)
+    assert send(net, "b", a.addr, 10)[0] == "ok"
