@@ -29,7 +29,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from mmferry.encoder.attention import AttentionFn, VarlenBatch, flash_varlen, sdpa_block_diagonal
+from mmferry.encoder.attention import (
+    AttentionFn,
+    VarlenBatch,
+    flash_varlen,
+    sdpa_block_diagonal,
+    sdpa_varlen,
+)
 from mmferry.encoder.budgets import budget_for, check_budgets, pad_metadata
 from mmferry.encoder.metadata import TowerMetadata
 
@@ -114,7 +120,10 @@ class BudgetRunner:
         if not self.capture:
             x = embed()
             x = torch.cat([x, x.new_zeros((budget - n, x.shape[1]))])
-            merged, deep = self.tower.body(x, padded.to(x.device), self.attend)
+            attend = self.attend
+            if attend is sdpa_block_diagonal and budget > SDPA_GRAPH_MAX:
+                attend = sdpa_varlen  # no graph to keep shapes static for: skip the N^2 mask
+            merged, deep = self.tower.body(x, padded.to(x.device), attend)
             return merged[:keep], [d[:keep] for d in deep]
         with self._lock:
             x = embed()
@@ -190,6 +199,4 @@ class BudgetRunner:
 
 
 def _eager_attend(runner: BudgetRunner) -> AttentionFn:
-    from mmferry.encoder.attention import sdpa_varlen
-
     return flash_varlen if runner.attend is flash_varlen else sdpa_varlen
