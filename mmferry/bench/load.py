@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import json
 import os
 import random
 import subprocess
@@ -150,6 +151,12 @@ def workloads() -> list[Workload]:
     ]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of process `pid` so far, every thread of it."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -182,6 +189,7 @@ class Run:
     cache_bytes: float | None = None  # the service's encoder cache at the end (/metrics)
     errors: list[str] = field(default_factory=list)
     responses: dict[int, list] = field(default_factory=dict)  # request index -> items
+    cpu_s: float = 0.0  # the server process's CPU seconds (every thread) over the requests
 
 
 async def drive(url: str, pid: int, w: Workload) -> Run:
@@ -208,9 +216,10 @@ async def drive(url: str, pid: int, w: Workload) -> Run:
                 if done == mark:
                     run.rss_quarter = rss_bytes(pid)
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds(pid)
         await asyncio.gather(*(one(i) for i in range(len(w.seq))))
         run.wall_s = time.perf_counter() - t0
+        run.cpu_s = cpu_seconds(pid) - c0
     run.rss_end = rss_bytes(pid)
     run.cache_bytes = await _cache_bytes(url)
     return run
@@ -381,6 +390,192 @@ def compare(
                 )
 
 
+def tower_alone(depth: int | None, dtype: str, requests: int) -> dict[str, float]:
+    """The floor of the all-distinct workload: its first `requests` images, preprocessed
+    beforehand (not timed) as the service does (compact-u8), then only the tower: one item a
+    call on one worker per core, one intra-op thread each, as `mmferry serve` runs a CPU tower
+    by default. Wall and CPU seconds, and the tower's matmul FLOPs."""
+    import mmferry as mf
+    from mmferry.encoder.flops import tower_flops
+    from mmferry.models import spec_for
+
+    workers = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = spec_for("qwen3-vl").random_config
+    if depth:
+        cfg = cfg.with_depth(depth)
+    proc = mf.Processor.for_model("qwen3-vl")
+    items = [proc.image(d, "compact-u8") for d in workloads()[0].datas[:requests]]
+    enc = mf.VisionEncoder.random(config=cfg, dtype=getattr(torch, dtype))
+    with torch.inference_mode():
+        enc(items[:2])  # warm-up, left out
+
+        def work(mine: list) -> None:
+            with torch.inference_mode():
+                for item in mine:
+                    enc([item])
+
+        threads = [threading.Thread(target=work, args=(items[k::workers],)) for k in range(workers)]
+        t0, c0 = time.perf_counter(), time.process_time()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    flop = tower_flops(cfg, [item.grid_thw for item in items])
+    return {"s": wall, "cpu": cpu, "flop": float(flop), "workers": workers}
+
+
+def capacity(report: harness.Report, quick: bool, dtypes: list[str], requests: int) -> None:
+    """The tier's requests/s on the all-distinct workload at concurrency 16 against its own
+    floor (the tower alone, same cores, same dtype), and transformers' server beside it, for
+    each dtype; the rounds interleave every side. Checked first on every run: the load
+    checks, mmferry's float32 rows against transformers' (ROWS_TOLERANCE, where pixels are
+    equal); a dtype's rows against the same server's float32 rows are reported, and mmferry's
+    bfloat16 rows must lie no further from transformers' float32 ones than
+    BF16_AGAINST_HF times transformers' own bfloat16 rows do."""
+    import mmferry as mf
+
+    depth = ["--depth", "1"] if quick else []
+    full = workloads()[0]
+    w = Workload(
+        full.name,
+        full.datas[:requests],
+        full.seq[:requests],
+        full.serve_flags,
+        cache_bytes=full.cache_bytes,
+    )
+    proc = mf.Processor.for_model("qwen3-vl")
+    expected = [proc.image(d, "compact-u8") for d in w.datas]
+    same = pixels_agree(w.datas, baseline_processor())
+    serve = [sys.executable, "-m", "mmferry", "serve", "--port", "0", *depth, *w.serve_flags]
+    base = [sys.executable, "-m", "mmferry.bench.load", "--serve-baseline", *depth]
+    alone = [sys.executable, "-m", "mmferry.bench.load", "--tower-alone", *depth]
+    sides: dict[str, list[str]] = {}
+    for dt in dtypes:
+        sides[f"mmferry {dt}"] = [*serve, "--dtype", dt]
+        sides[f"transformers {dt}"] = [*base, "--dtype", dt]
+        sides[f"tower alone {dt}"] = [*alone, "--dtype", dt, "--requests", str(requests)]
+    rate: dict[str, list[float]] = {k: [] for k in sides}
+    cpu: dict[str, list[float]] = {k: [] for k in sides}
+    gflops: dict[str, list[float]] = {k: [] for k in sides}
+    diffs: dict[str, float] = {}
+    for r in range(ROUNDS):
+        print(f"round {r + 1} of {ROUNDS}", flush=True)
+        runs: dict[str, Run] = {}
+        for name in harness.rotated(list(sides), r):
+            if name.startswith("tower alone"):
+                env = {**os.environ, "PYTHONPATH": str(ROOT)}
+                out = subprocess.run(sides[name], capture_output=True, text=True, env=env)
+                if out.returncode:
+                    raise RuntimeError(f"{name} failed:\n{out.stderr[-2000:]}")
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                rate[name].append(requests / got["s"])
+                cpu[name].append(got["cpu"] / requests)
+                gflops[name].append(got["flop"] / got["s"] / 1e9)
+                print(
+                    f"  {name}: {requests / got['s']:.2f} req/s, "
+                    f"{got['flop'] / got['s'] / 1e9:.1f} GFLOPS, {got['workers']} workers",
+                    flush=True,
+                )
+                continue
+            got = measure(name, sides[name], w)
+            check(name, got, w.seq, expected, hashes=name.startswith("mmferry"))
+            rate[name].append(requests / got.wall_s)
+            cpu[name].append(got.cpu_s / requests)
+            runs[name] = got
+        for dt in dtypes:
+            ours, theirs = runs[f"mmferry {dt}"], runs[f"transformers {dt}"]
+            key = f"mmferry {dt} - transformers {dt}"
+            if dt == "float32":
+                diffs[key] = max(diffs.get(key, 0.0), _agreement(ours, theirs, w.seq, same))
+            else:
+                diffs[key] = max(diffs.get(key, 0.0), _largest(ours, theirs, w.seq, same))
+        if "float32" in dtypes:
+            hf32 = runs["transformers float32"]
+            for dt in dtypes:
+                if dt == "float32":
+                    continue
+                for who in ("mmferry", "transformers"):
+                    key = f"{who} {dt} - {who} float32"
+                    diffs[key] = max(
+                        diffs.get(key, 0.0),
+                        _largest(runs[f"{who} {dt}"], runs[f"{who} float32"], w.seq, same),
+                    )
+                key = f"mmferry {dt} - transformers float32"
+                ours_off = _largest(runs[f"mmferry {dt}"], hf32, w.seq, same)
+                theirs_off = _largest(runs[f"transformers {dt}"], hf32, w.seq, same)
+                if ours_off > BF16_AGAINST_HF * theirs_off:
+                    raise AssertionError(
+                        f"mmferry {dt} lies {ours_off:.3g} from transformers' float32 rows, "
+                        f"transformers {dt} {theirs_off:.3g}"
+                    )
+                diffs[key] = max(diffs.get(key, 0.0), ours_off)
+        for got in runs.values():
+            got.responses.clear()
+    tower = "1-layer qwen3-vl tower (--quick)" if quick else "24-layer qwen3-vl tower"
+    print(
+        f"{w.name}: {requests} requests, concurrency {w.concurrency}, {tower}; largest row "
+        "differences (over images whose pixels are equal): "
+        + ", ".join(f"{k} {v:.3g}" for k, v in diffs.items())
+    )
+    for dt in dtypes:
+        floor, ours, theirs = f"tower alone {dt}", f"mmferry {dt}", f"transformers {dt}"
+        note = f"the tower alone at {np.median(gflops[floor]):.1f} GFLOPS"
+        for name, base_name in ((ours, floor), (theirs, floor), (ours, theirs)):
+            report.add(
+                harness.Figure(
+                    f"requests/s, {dt}, {w.name}" + (f", {name}" if name != ours else ""),
+                    base_name,
+                    rate[base_name],
+                    rate[name],
+                    unit="req/s",
+                    higher_is_better=True,
+                    note=note if base_name == floor else "",
+                )
+            )
+        for name in (ours, theirs):
+            report.add(
+                harness.Figure(
+                    f"CPU a request, {dt}, {w.name}, {name}",
+                    floor,
+                    cpu[floor],
+                    cpu[name],
+                    note="the server's every thread; the floor's tower calls only",
+                )
+            )
+    for dt in dtypes:
+        if dt == "float32" or "float32" not in dtypes:
+            continue
+        for who in ("mmferry", "transformers"):
+            report.add(
+                harness.Figure(
+                    f"requests/s, {who} {dt} against float32, {w.name}",
+                    f"{who} float32",
+                    rate[f"{who} float32"],
+                    rate[f"{who} {dt}"],
+                    unit="req/s",
+                    higher_is_better=True,
+                )
+            )
+
+
+# mmferry's bfloat16 rows may lie this many times further from transformers' float32 rows
+# than transformers' own bfloat16 rows do (two bfloat16 towers round in different places).
+BF16_AGAINST_HF = 2.0
+
+
+def _largest(a: Run, b: Run, seq: list[tuple[int, ...]], same: list[bool]) -> float:
+    """Largest difference between two runs' rows (the same requests), over the items whose
+    pixels mmferry and the baseline preprocess alike."""
+    worst = 0.0
+    for i, items in a.responses.items():
+        for j, x, y in zip(seq[i], items, b.responses[i], strict=True):
+            if same[j]:
+                worst = max(worst, (x.embeds.float() - y.embeds.float()).abs().max().item())
+    return worst
+
+
 def _agreement(ours: Run, base: Run, seq: list[tuple[int, ...]], same: list[bool]) -> float:
     """Largest difference between mmferry's and the baseline's rows, checked per item whose
     pixels the two preprocess alike (`same`, from `pixels_agree`)."""
@@ -480,7 +675,7 @@ def exact_distance(data: bytes, proc: Any) -> float:
     return (item.feature.double() - rows).abs().max().item()
 
 
-def serve_baseline(depth: int | None) -> int:
+def serve_baseline(depth: int | None, dtype: str = "float32") -> int:
     """transformers behind FastAPI, the obvious way: one processor + one model call per request."""
     import base64
 
@@ -496,7 +691,9 @@ def serve_baseline(depth: int | None) -> int:
     cfg = spec_for("qwen3-vl").random_config
     if depth:
         cfg = cfg.with_depth(depth)
-    model = hf_tower(mf.VisionEncoder.random(config=cfg), "cpu", torch.float32)
+    # NOTE: the float32 weights cast to `dtype`, as `mmferry serve --dtype` makes its own; the
+    # model casts the processor's float32 pixels to its dtype in its patch embedding.
+    model = hf_tower(mf.VisionEncoder.random(config=cfg), "cpu", getattr(torch, dtype))
     p = preset("qwen3-vl")
     processor = baseline_processor()
     print(f"baseline: {type(processor).__name__}", flush=True)
@@ -547,11 +744,31 @@ def main(argv: list[str] | None = None) -> int:
         p = argparse.ArgumentParser()
         p.add_argument("--serve-baseline", action="store_true")
         p.add_argument("--depth", type=int)
-        return serve_baseline(p.parse_args(argv).depth)
+        p.add_argument("--dtype", default="float32")
+        args = p.parse_args(argv)
+        return serve_baseline(args.depth, args.dtype)
+    if "--tower-alone" in argv:
+        p = argparse.ArgumentParser()
+        p.add_argument("--tower-alone", action="store_true")
+        p.add_argument("--depth", type=int)
+        p.add_argument("--dtype", default="float32")
+        p.add_argument("--requests", type=int, default=REQUESTS)
+        args = p.parse_args(argv)
+        print(json.dumps(tower_alone(args.depth, args.dtype, args.requests)), flush=True)
+        return 0
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--against", type=Path)
     p.add_argument("--only")
+    p.add_argument("--capacity", help="dtypes, comma-separated: the tier against its floor")
+    p.add_argument("--requests", type=int, default=REQUESTS)
     known, rest = p.parse_known_args(argv)
+    if known.capacity:
+        dtypes = known.capacity.split(",")
+        return harness.main_for(
+            lambda report, quick: capacity(report, quick, dtypes, known.requests),
+            rest,
+            "The encoder tier's capacity against the tower alone",
+        )
     against = known.against
     if against is not None and not (against / "mmferry" / "__init__.py").is_file():
         raise SystemExit(f"--against {against}: no mmferry package there")

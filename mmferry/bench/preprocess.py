@@ -221,8 +221,13 @@ class TorchvisionWorker:
             raise RuntimeError(reply["error"])
         return reply
 
-    def run(self, kind: str) -> float:
-        return self.ask({"cmd": "run", "kind": kind})["s"]
+    def run(self, kind: str, cpu: list[float] | None = None) -> float:
+        """Seconds of one round of `kind`; its CPU seconds (all the worker's threads) are
+        appended to `cpu`."""
+        reply = self.ask({"cmd": "run", "kind": kind})
+        if cpu is not None:
+            cpu.append(reply["cpu"])
+        return reply["s"]
 
     def close(self) -> None:
         self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
@@ -257,14 +262,23 @@ def image_figures(
             for s in sources:
                 proc(images=[s if tag == "pil" else load_pil(s)], return_tensors="pt")
 
+        # NOTE: CPU seconds beside the wall: on a shared host the wall of a round is mostly
+        # the other tenants' share of the cores, while the CPU time is the work each side did
+        # (every thread of its process: mmferry's hash thread, the baseline's torch threads).
+        cpu: dict[str, list[float]] = {k: [] for k in ("pil", "hf", "cu", "tv")}
         runners: dict[str, Callable[[], float]] = {
-            "pil": timed(pil_base),
-            "hf": timed(lambda s=sources: [process_image(x, cfg) for x in s]),
-            "cu": timed(lambda s=sources: [process_image(x, cfg, layout="compact-u8") for x in s]),
+            "pil": cpu_timed(pil_base, cpu["pil"]),
+            "hf": cpu_timed(lambda s=sources: [process_image(x, cfg) for x in s], cpu["hf"]),
+            "cu": cpu_timed(
+                lambda s=sources: [process_image(x, cfg, layout="compact-u8") for x in s],
+                cpu["cu"],
+            ),
         }
         if worker is not None:
-            runners["tv"] = lambda tag=tag: worker.run(tag)
+            runners["tv"] = lambda tag=tag, c=cpu["tv"]: worker.run(tag, c)
         times = interleave(runners, rounds=rounds)
+        warm = len(cpu["hf"]) - rounds  # the warm-up round's CPU times are left out
+        spent = {k: v[warm:] for k, v in cpu.items()}
         n = len(sources)
         for layout, key in (("hf", "hf"), ("compact-u8", "cu")):
             bases = [("transformers PIL processor", "pil")]
@@ -280,6 +294,23 @@ def image_figures(
                         note=f"{n / np.median(times[key]):.1f} images/s",
                     )
                 )
+                report.add(
+                    Figure(f"{n} {kind}, {layout}, CPU time", base_name, spent[base], spent[key])
+                )
+
+
+def cpu_timed(fn: Callable[[], object], cpu: list[float]) -> Callable[[], float]:
+    """`timed(fn)` that also appends the CPU seconds of the call (every thread of this
+    process) to `cpu`."""
+
+    def run() -> float:
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        wall = time.perf_counter() - t0
+        cpu.append(time.process_time() - c0)
+        return wall
+
+    return run
 
 
 def distinct_figures(report: Report, batches: list[list[bytes]], cfg, rounds: int) -> None:
@@ -397,6 +428,99 @@ def _compact_as_hf(compact: torch.Tensor, cfg) -> torch.Tensor:
     return compact_to_hf(item, cfg)
 
 
+def mmferry_stages(pils: list, cfg) -> dict[str, float]:
+    """CPU seconds of each of mmferry's steps over decoded PIL images, each timed alone on
+    one thread: the pixels out of Pillow, the resize, the patch rows (the normalise and the
+    write in one pass), the key."""
+    from mmferry.preprocess.decode import as_batch, decode_image, pixels_identity
+    from mmferry.preprocess.hashing import item_hash
+    from mmferry.preprocess.image import resized_size
+    from mmferry.preprocess.patchify import patchify
+
+    out = dict.fromkeys(("pixels", "resize", "rows hf", "rows compact-u8", "key"), 0.0)
+
+    def clock(name: str, fn):
+        c0 = time.process_time()
+        value = fn()
+        out[name] += time.process_time() - c0
+        return value
+
+    geometry = dict(patch=cfg.patch_size, merge=cfg.merge_size, temporal=cfg.temporal_patch_size)
+    with intra_op_threads(1):
+        for im in pils:
+            px = clock("pixels", lambda im=im: decode_image(im, cfg.max_decoded_pixels).pixels)
+            size = resized_size(px.shape[1], px.shape[2], cfg)
+            x = clock("resize", lambda px=px, size=size: resize_u8(as_batch(px), *size))
+            for layout in ("hf", "compact-u8"):
+                clock(
+                    f"rows {layout}",
+                    lambda x=x, layout=layout: patchify(
+                        x,
+                        image=True,
+                        **geometry,
+                        layout=layout,
+                        mean=cfg.image_mean,
+                        std=cfg.image_std,
+                        threads=1,
+                    ),
+                )
+            # the smaller of the source and the resized pixels, as image.py keys a PIL image
+            small = px if px[0].numel() <= x[0, 0].numel() else x[0]
+            clock(
+                "key",
+                lambda small=small: item_hash(
+                    "image", pixels_identity(small.permute(1, 2, 0), b"hwc"), cfg
+                ),
+            )
+    return out
+
+
+def stage_figures(report: Report, datas: list[bytes], cfg, rounds: int, worker) -> None:
+    """Where the ratio goes: each side's steps over the 16 decoded images, CPU seconds, one
+    round of both sides after the other. The baseline's steps are torchvision's (in its
+    worker, 2 torch threads, its own environment); mmferry's on one thread."""
+    pils = [load_pil(d) for d in datas]
+    ours: dict[str, list[float]] = {}
+    theirs: dict[str, list[float]] = {}
+    for r in range(rounds + 1):  # the first is the warm-up
+        sides = [("ours", lambda: mmferry_stages(pils, cfg))]
+        if worker is not None:
+            sides.append(("theirs", lambda: worker.ask({"cmd": "stages"})))
+        for name, fn in sides if r % 2 == 0 else sides[::-1]:
+            got = fn()
+            if r:
+                for k, v in got.items():
+                    (ours if name == "ours" else theirs).setdefault(k, []).append(v)
+    med = {k: np.median(v) * 1e3 for k, v in ours.items()}
+    print(
+        f"mmferry, one thread, {len(pils)} PIL images, CPU ms (median of {rounds} rounds): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
+    )
+    if not theirs:
+        return
+    tv = {k: np.median(v) * 1e3 for k, v in theirs.items()}
+    print(
+        "transformers torchvision processor, CPU ms: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in tv.items())
+    )
+    pairs = (
+        ("pixels out of Pillow", "to tensor", ("pixels",)),
+        ("resize", "resize", ("resize",)),
+        ("normalise + patch rows, hf", ("normalise", "patchify"), ("rows hf",)),
+        ("patch rows, compact-u8 (no normalise)", ("normalise", "patchify"), ("rows compact-u8",)),
+    )
+    for label, base_keys, our_keys in pairs:
+        base_keys = (base_keys,) if isinstance(base_keys, str) else base_keys
+        report.add(
+            Figure(
+                f"stage: {label}, CPU time",
+                "transformers torchvision processor",
+                [sum(v) for v in zip(*(theirs[k] for k in base_keys))],
+                [sum(v) for v in zip(*(ours[k] for k in our_keys))],
+            )
+        )
+
+
 def floor_figures(report: Report, cfg, rounds: int) -> None:
     """One 12 MP decoded image per layout beside its floor: one uint8 resize, one write of the
     output, on the thread count mmferry uses by default. Two floors: in recycled pages, as
@@ -493,7 +617,7 @@ def video_figures(report: Report, cfg, rounds: int, quick: bool) -> None:
 # Where `--baseline-venv` puts the torchvision baseline by default; `mmferry bench preprocess`
 # uses it when it exists (create it once with `python -m mmferry.bench.preprocess --baseline-venv`).
 DEFAULT_BASELINE_VENV = Path(__file__).resolve().parents[2] / ".bench-venv"
-PARTS = ("images", "distinct", "floor", "threads", "video")
+PARTS = ("images", "stages", "distinct", "floor", "threads", "video")
 
 
 def run(report: Report, quick: bool) -> None:
@@ -510,7 +634,7 @@ def measure(report: Report, *, quick: bool, rounds: int, baseline_venv: Path | N
     datas = make_images(quick)
     with tempfile.TemporaryDirectory() as tmp:
         worker = None
-        if baseline_venv is not None and "images" in parts:
+        if baseline_venv is not None and ("images" in parts or "stages" in parts):
             ensure_baseline_venv(baseline_venv)
             files = []
             for i, d in enumerate(datas):
@@ -522,6 +646,9 @@ def measure(report: Report, *, quick: bool, rounds: int, baseline_venv: Path | N
                 report.section("images")
                 check_images(datas, cfg, worker, tmp)
                 image_figures(report, datas, cfg, rounds, worker)
+            if "stages" in parts:
+                report.section("stages")
+                stage_figures(report, datas, cfg, rounds, worker)
         finally:
             if worker is not None:
                 worker.close()
