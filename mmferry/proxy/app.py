@@ -1,4 +1,4 @@
-"""The proxy's HTTP surface (FastAPI): `POST /v1/chat/completions` with its media encoded by the
+"""The proxy's HTTP surface (Starlette): `POST /v1/chat/completions` with its media encoded by the
 encoders; every other route passed to the engine unchanged; `/health` and `/metrics` its own.
 
 A chat request is read by the server's one request path (server/intake.py): API key (401),
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,7 +35,7 @@ from mmferry.proxy.media import Media, as_pixels, by_reference, find_media, rewr
 from mmferry.proxy.metrics import ProxyMetrics
 from mmferry.proxy.paths import CanonicalPaths, engine_path, refused_route
 from mmferry.server.app import import_fastapi
-from mmferry.server.bodies import check_caller, linger, read_body
+from mmferry.server.bodies import check_caller, dump_json, linger, read_body
 from mmferry.server.disconnect import unless_disconnected
 from mmferry.server.intake import Intake
 from mmferry.server.limits import RequestError
@@ -124,11 +123,14 @@ def _answered(verdict: asyncio.Future) -> bool:
 
 
 def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
-    """The proxy's ASGI app (FastAPI); `state` lets the runner drain it."""
-    fastapi = import_fastapi()
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    """The proxy's ASGI app (Starlette); `state` lets the runner drain it."""
+    import_fastapi()  # NOTE: the server extra's check; the routes are Starlette's own
+    from starlette.applications import Starlette
     from starlette.background import BackgroundTask
+    from starlette.middleware import Middleware
     from starlette.requests import ClientDisconnect
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
 
     state = state or ProxyState(config)
     metrics = state.metrics
@@ -142,11 +144,7 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         await state.upstream.aclose()
         await intake.json.close()
 
-    app = fastapi.FastAPI(title="mmferry proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.mmferry = state
-
-    @app.get("/health")
-    async def health() -> Any:
+    async def health(request: Any) -> Any:
         # NOTE: open to probes without the key, so it names no address: the encoders are
         # counted (/metrics names each, --private-metrics puts it behind the key).
         up = sum(v == "up" for v in state.encoders.health().values())
@@ -317,9 +315,9 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         """The chat body with its `media` encoded and rewritten (as it came when it has none),
         and, when some items go by reference, how to send it with pixels instead."""
         if not media:
-            return json.dumps(body).encode(), None
+            return dump_json(body), None
         answers = await state.encoders.encode(media)
-        raw = json.dumps(rewrite(body, media, answers, config.mode)).encode()
+        raw = dump_json(rewrite(body, media, answers, config.mode))
         n = by_reference(media, answers, config.mode)
         if not n or not as_pixels(media):
             # NOTE: an item vLLM cannot read as the encoder did is not sent again as pixels:
@@ -327,7 +325,7 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
             return raw, None
 
         def pixels() -> bytes:
-            return json.dumps(rewrite(body, media, answers, config.mode, pixels_only=True)).encode()
+            return dump_json(rewrite(body, media, answers, config.mode, pixels_only=True))
 
         return raw, Retry(n, pixels)
 
@@ -354,10 +352,10 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         encoding = asyncio.ensure_future(state.encoders.encode_named(media, urls, named))
         behind.add(encoding)  # held until it ends, whoever waits for it
         encoding.add_done_callback(behind.discard)
-        raw = json.dumps(rewrite(body, media, named, config.mode)).encode()
+        raw = dump_json(rewrite(body, media, named, config.mode))
 
         def pixels() -> bytes:
-            return json.dumps(rewrite(body, media, named, config.mode, pixels_only=True)).encode()
+            return dump_json(rewrite(body, media, named, config.mode, pixels_only=True))
 
         async def settle(sending: asyncio.Future[Answer]) -> tuple[bytes, Retry | None] | None:
             """None: the engine's answer stands (it answered, or the encoder holds every item
@@ -406,12 +404,16 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         if not task.cancelled() and task.exception() is not None:
             log.warning("an encode ended after the engine's answer failed: %s", task.exception())
 
-    # NOTE: as in server/app.py, FastAPI needs the real class to hand the raw request over.
-    other.__annotations__["request"] = fastapi.Request
-    prometheus.__annotations__["request"] = fastapi.Request
-    app.get("/metrics")(prometheus)
-    app.post(CHAT)(intake.route(chat))
-    app.api_route("/{path:path}", methods=METHODS)(other)
+    # NOTE: plain Starlette routes, not FastAPI's (its request and response layers, a
+    # dependency solver and three middlewares, cost a request more than the proxy's own work).
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+        Route(CHAT, intake.route(chat), methods=["POST"]),
+        Route("/{path:path}", other, methods=METHODS),
+    ]
     # NOTE: routes are matched, and requests forwarded, by the path the engine will route.
-    app.add_middleware(CanonicalPaths, refuse=intake.refuse)
+    middleware = [Middleware(CanonicalPaths, refuse=intake.refuse)]
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app.state.mmferry = state
     return app

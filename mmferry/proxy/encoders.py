@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
@@ -33,6 +34,7 @@ from mmferry.config import ProcessorConfig
 from mmferry.proxy.ahead import PROCESSOR, processor_config, same_item
 from mmferry.proxy.answers import BadEncoderAnswer, encode_facts, loaded_rows
 from mmferry.proxy.config import ProxyConfig
+from mmferry.proxy.http import Client, transport_errors
 from mmferry.proxy.media import (
     Encoded,
     Media,
@@ -43,6 +45,7 @@ from mmferry.proxy.media import (
 )
 from mmferry.proxy.metrics import ProxyMetrics
 from mmferry.routing import Router
+from mmferry.server.bodies import dump_json
 from mmferry.server.limits import RequestError
 
 log = logging.getLogger("mmferry.proxy")
@@ -91,22 +94,19 @@ class EncoderPool:
     """The encoders behind one proxy, their router, and the probes of those that are down."""
 
     def __init__(self, config: ProxyConfig, metrics: ProxyMetrics) -> None:
-        import httpx
-
         self.config = config
         self.metrics = metrics
         self.router = Router(config.encoder_urls, epsilon=config.epsilon)
         key = config.encoder_api_key
-        self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(config.encoder_timeout_s, connect=config.connect_timeout_s),
+        # NOTE: every call gets one deadline for all of it (`_post`), not one a read: an
+        # encoder that sends its answer a byte at a time cannot hold the request past
+        # `encoder_timeout_s`, and the call sets one timer, not one a read.
+        self.http = Client(
+            connect_timeout_s=config.connect_timeout_s,
+            read_timeout_s=None,
             headers={"Authorization": f"Bearer {key}"} if key else {},
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
-        self._transport_errors = (httpx.TransportError, OSError)
-        # An encode or load call gets one deadline for all of it (`_post`), not httpx's
-        # per-read one: an encoder that sends its answer a byte at a time cannot hold the
-        # request past `encoder_timeout_s`, and the call sets one timer, not one a read.
-        self._whole_call = httpx.Timeout(None, connect=config.connect_timeout_s)
+        self._transport_errors = transport_errors()
         self._prober: asyncio.Task | None = None
         # --name-ahead: each encoder's processor settings (None: a generic-family encoder),
         # and the settings the proxy names items by once every encoder has answered alike.
@@ -142,12 +142,13 @@ class EncoderPool:
                 if url in self._settings:
                     continue
                 try:
-                    r = await self.http.get(url + PROCESSOR)
+                    async with asyncio.timeout(self.config.encoder_timeout_s):
+                        r = await self.http.call("GET", url + PROCESSOR)
                 except self._transport_errors:
                     continue  # down: asked again
                 if r.status_code == 200:
                     try:
-                        self._settings[url] = processor_config(r.json())
+                        self._settings[url] = processor_config(json.loads(r.content))
                     except ValueError as e:
                         log.warning("encoder %s: %s answered %s", url, PROCESSOR, e)
                         self._settings[url] = None
@@ -225,12 +226,11 @@ class EncoderPool:
         limit_s = self.config.encoder_timeout_s
         try:
             async with asyncio.timeout(limit_s):
-                r = await self.http.post(url + route, json=body, timeout=self._whole_call)
-        except TimeoutError:  # before OSError, its base
-            self._down(url)
-            raise _Failed("timeout", f"no whole answer within {limit_s:g} s") from None
+                r = await self.http.call("POST", url + route, dump_json(body), json=True)
         except self._transport_errors as e:
             self._down(url)
+            if type(e) is TimeoutError:  # the call's own deadline (a connect timeout is aiohttp's)
+                raise _Failed("timeout", f"no whole answer within {limit_s:g} s") from None
             raise _Failed(type(e).__name__, str(e)) from None
         finally:
             self.metrics.encoder_seconds.labels(url).observe(time.perf_counter() - t0)
@@ -392,7 +392,7 @@ class EncoderPool:
         # passes it nor holds the round of probes (and so the other down encoders' next ones).
         try:
             async with asyncio.timeout(self.config.connect_timeout_s):
-                r = await self.http.get(url + "/health", timeout=self._whole_call)
+                r = await self.http.call("GET", url + "/health")
             ok = r.status_code == 200
         except self._transport_errors:  # TimeoutError among them
             ok = False

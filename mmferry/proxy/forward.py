@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mmferry.proxy.config import ProxyConfig
+from mmferry.proxy.http import Client, transport_errors
 from mmferry.server.limits import RequestError
 
 # Headers that belong to one connection (RFC 9110 7.6.1) or that the proxy sets itself.
@@ -40,17 +41,16 @@ class Upstream:
     """The engine behind the proxy (one OpenAI-compatible server)."""
 
     def __init__(self, config: ProxyConfig) -> None:
-        import httpx
-
         self.config = config
         # NOTE: the read timeout is per chunk: a long generation that keeps streaming is fine,
         # an engine that stops answering is not.
-        self.http = httpx.AsyncClient(
-            base_url=config.llm_url,
-            timeout=httpx.Timeout(config.llm_timeout_s, connect=config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        self.http = Client(
+            connect_timeout_s=config.connect_timeout_s,
+            read_timeout_s=config.llm_timeout_s,
+            decompress=False,
         )
-        self._errors = (httpx.TransportError, OSError)
+        self._base = config.llm_url.rstrip("/")
+        self._errors = transport_errors()
 
     def headers(self, client_headers: Any) -> dict[str, str]:
         """The client's headers for the engine, less hop-by-hop ones and the proxy's key."""
@@ -65,10 +65,9 @@ class Upstream:
 
     async def send(self, method: str, path: str, query: str, headers: Any, body: bytes) -> Any:
         """The engine's response, its body still to be read; 502 when it cannot be reached."""
-        url = path + (f"?{query}" if query else "")
-        request = self.http.build_request(method, url, headers=self.headers(headers), content=body)
+        url = self._base + path + (f"?{query}" if query else "")
         try:
-            return await self.http.send(request, stream=True)
+            return await self.http.send(method, url, self.headers(headers), body)
         except self._errors as e:
             raise RequestError(
                 502,
@@ -81,8 +80,14 @@ class Upstream:
 
 
 def response_headers(upstream: Any) -> dict[str, str]:
-    """The engine's response headers the client gets (not the hop-by-hop ones)."""
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+    """The engine's response headers the client gets (not the hop-by-hop ones); a repeated
+    header's values joined by commas, in order."""
+    out: dict[str, str] = {}
+    for k, v in upstream.headers.items():
+        name = k.lower()
+        if name not in HOP_BY_HOP:
+            out[name] = f"{out[name]}, {v}" if name in out else v
+    return out
 
 
 # How much of a stream is read, at most, while looking for its first output.

@@ -30,7 +30,14 @@ PIECE = 1 << 20
 # The child: frames of <8-byte length><body> in; <1-byte kind><8-byte length><data> out, where
 # kind 0 is a pickled value, 1 too many values, 2 nested too deeply, 3 invalid (data: why).
 _CHILD = r"""
-import json, pickle, sys
+import json, pickle, sys, types
+# NaN and the infinities unpickle as mmferry.server.bodies.NotFinite, as parse_json reads them.
+for name in ("mmferry", "mmferry.server", "mmferry.server.bodies"):
+    bodies = sys.modules[name] = types.ModuleType(name)
+class NotFinite(float):
+    pass
+NotFinite.__module__ = bodies.__name__
+bodies.NotFinite = NotFinite
 limit = int(sys.argv[1])
 r, w = sys.stdin.buffer, sys.stdout.buffer
 def reply(kind, data):
@@ -46,7 +53,7 @@ while True:
         reply(1, str(count).encode())
         continue
     try:
-        reply(0, pickle.dumps(json.loads(raw), protocol=5))
+        reply(0, pickle.dumps(json.loads(raw, parse_constant=NotFinite), protocol=5))
     except RecursionError:
         reply(2, b"")
     except ValueError as e:

@@ -206,10 +206,11 @@ class Proc:
     proc: subprocess.Popen | None = None
     url: str = ""
     lines: list[str] = field(default_factory=list)
+    root: Path = ROOT  # the checkout whose code runs (a benchmark's baseline: another one)
 
     def start(self, timeout_s: float = 300) -> Proc:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MMFERRY_")}
-        env.update(PYTHONPATH=str(ROOT), **self.env)
+        env.update(PYTHONPATH=str(self.root), **self.env)
         self.lines = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", self.module, *self.args],
@@ -293,7 +294,7 @@ class RecordingEngine:
     `fail_chats` is above 0 (counting down); a chat request is answered `delay_s` after it
     arrived (an engine still planning it)."""
 
-    def __init__(self, answer: Any = None) -> None:
+    def __init__(self, answer: Any = None, keep_alive: bool = False) -> None:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.seen: list[Received] = []
@@ -303,6 +304,12 @@ class RecordingEngine:
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
+            # keep_alive: connections kept open between requests, as vLLM's server keeps them
+            protocol_version = "HTTP/1.1" if keep_alive else "HTTP/1.0"
+            # The headers and the body are two writes: without this, Nagle's algorithm holds
+            # the body for the client's delayed ACK (40 ms) on a kept-open connection.
+            disable_nagle_algorithm = keep_alive
+
             def handle_any(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 engine.seen.append(Received(self.command, self.path, body))

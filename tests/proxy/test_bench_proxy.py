@@ -59,7 +59,11 @@ def test_the_proxy_cpu_example_runs():
     cmd = [sys.executable, str(ROOT / "examples" / "proxy_cpu.py"), "--requests", "5"]
     run = subprocess.run(cmd + ["--warmup", "1"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    cpu = re.search(r"CPU ms a request: proxy ([\d.]+), encoders ([\d.]+) and ([\d.]+)", run.stdout)
+    cpu = re.search(
+        r"this: proxy CPU ms a request ([\d.]+) .* encoder CPU ms a call ([\d.]+) ", run.stdout
+    )
     assert cpu is not None, run.stdout
     assert all(float(x) > 0 for x in cpu.groups()), run.stdout
-    assert re.search(r"through the proxy [\d.]+ ms, the engine directly [\d.]+ ms", run.stdout)
+    assert re.search(r"latency p50 [\d.]+ \([\d.]+-[\d.]+\) ms", run.stdout)
+    assert re.search(r"the engine directly: latency p50 [\d.]+ ms", run.stdout)
+    assert re.search(r"tower [\d.]+ ms, JPEG decode [\d.]+ ms", run.stdout)
