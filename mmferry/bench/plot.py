@@ -37,6 +37,8 @@ def _pyplot():
 def ratio_chart(title: str, figures: list[dict[str, Any]], path: Path) -> Path:
     """Median ratio and min-max spread of each figure, one row each, 1x marked."""
     plt = _pyplot()
+    import matplotlib.ticker
+
     rows = [f for f in figures if f.get("ratio") is not None]
     if not rows:
         raise ValueError(f"{title}: no figures with a ratio")
@@ -49,6 +51,7 @@ def ratio_chart(title: str, figures: list[dict[str, Any]], path: Path) -> Path:
     ax.set_yticks(range(len(rows)), [label[:90] for label in labels], fontsize=8)
     ax.axvline(1.0, color="grey", linewidth=1)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.set_xlabel("mmferry's advantage (x, median and spread over the rounds; > 1: mmferry ahead)")
     ax.set_title(title)
     fig.tight_layout()
