@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import time
 
 import numpy as np
 import pytest
@@ -128,3 +129,34 @@ def test_rows_are_compared_only_for_items_whose_pixels_agree():
         load._agreement(ours, base, [(0,)], [True])
     close = run(torch.full((1, 4), load.ROWS_TOLERANCE / 2))
     assert load._agreement(ours, close, [(0,)], [True]) == pytest.approx(load.ROWS_TOLERANCE / 2)
+
+
+def test_row_distances_of_another_dtype_skip_items_whose_pixels_differ():
+    def run(rows: torch.Tensor) -> load.Run:
+        r = load.Run()
+        r.responses[0] = [EncodedItem("image", rows, (), (1, 2, 2), 1, "")]
+        return r
+
+    f32 = run(torch.zeros(1, 4))
+    bf16 = run(torch.tensor([[0.0, 0.25, -0.5, 0.0]], dtype=torch.bfloat16))
+    assert load._largest(bf16, f32, [(0,)], [True]) == 0.5
+    assert load._largest(bf16, f32, [(0,)], [False]) == 0.0
+
+
+def test_cpu_seconds_count_every_thread_of_a_process():
+    import os
+    import threading
+
+    def spin() -> None:
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+
+    before = load.cpu_seconds(os.getpid())
+    threads = [threading.Thread(target=spin) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # two threads of 0.3 s each, in clock ticks (1/100 s)
+    assert load.cpu_seconds(os.getpid()) - before >= 0.55
