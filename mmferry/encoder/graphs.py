@@ -177,7 +177,9 @@ class BudgetRunner:
             self.tower.body(x.clone(), meta, self.attend)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the service's other threads (staging copies, shared-memory readers)
+        # keep using CUDA while this one captures; only this thread's calls are checked.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self.tower.body(x, meta, self.attend)
         torch.cuda.synchronize(device)
         nbytes = torch.cuda.memory_reserved(device) - before
