@@ -61,3 +61,28 @@ def test_where_a_body_is_parsed(raw, in_child):
     value, child = parse(raw)
     assert value == json.loads(raw)
     assert child is in_child
+
+
+SPECIAL = {
+    "nan": (b"NaN", lambda v: v != v),
+    "infinity": (b"-Infinity", lambda v: v == float("-inf")),
+    "big": (b"123456789012345678901234567890", lambda v: v == 123456789012345678901234567890),
+    "surrogate": (b'"\\ud800"', lambda v: v == "\ud800"),
+}
+
+
+@pytest.mark.parametrize("special", list(SPECIAL))
+@pytest.mark.parametrize("raw", [b"", numbers(15_000)[:-1]], ids=["in-place", "in-the-child"])
+def test_a_body_is_written_back_with_its_own_values(raw, special):
+    """NaN, the infinities, integers past 64 bits and lone surrogates come back out of
+    `dump_json` as the client wrote them (orjson alone writes null or refuses), wherever the
+    body was parsed."""
+    from mmferry.server.bodies import dump_json
+
+    spelled, same = SPECIAL[special]
+    body = (raw or b'{"values": [1]') + b', "x": ' + spelled + b"}"
+    value, in_child = parse(body)
+    assert in_child == bool(raw)
+    back = json.loads(dump_json(value))
+    assert same(back["x"]), back["x"]
+    assert back["values"] == json.loads(body)["values"]
