@@ -5,7 +5,10 @@ The scheduler never waits on Mooncake beyond its lookup deadline: the client con
 thread of its own, started with the reader (Mooncake's setup retries an absent master for about
 a minute and a half), and until it is up, or for `retry_s` after it failed, a lookup is a
 `StoreError` at once; each lookup runs on another thread and is a `StoreError` when it has not
-answered within `lookup_timeout_s` (and the next one too while it still runs). The connector's
+answered within `lookup_timeout_s` (and the next one too while it still runs). A worker's
+read of an entry waits at most `connect_wait_s` (the connector's `timeout_s`); while any call
+to the store is out past its deadline (a store cut off mid-call neither answers nor fails),
+lookups and reads skip the store at once and the items come from the services. The connector's
 `Presence` reads any `StoreError` as "absent" and leaves the store alone for a while, as it
 does a service that is down or late.
 
@@ -44,6 +47,10 @@ _CLIENTS_LOCK = threading.Lock()
 # One setup at a time per address, outside _CLIENTS_LOCK: a setup stuck on one master holds up
 # no other address, and no reader's close.
 _SETUPS: dict[StoreAddress, threading.Lock] = {}
+# Calls per address that ran past their deadline and have not returned (a store cut off
+# mid-call neither answers nor fails): while one is out, lookups and loads skip the store at
+# once, in every reader of the process, scheduler's and worker's alike.
+_STUCK: dict[StoreAddress, list[Future]] = {}
 LEASE_S = 10.0  # Mooncake's default --default_kv_lease_ttl
 LOOKUP_TIMEOUT_S = 1.0  # as the connector's lookup of a service
 CONNECT_WAIT_S = 30.0  # how long a load waits for a connect in progress
@@ -97,6 +104,16 @@ class _Caller:
         self._calls.put((Future(), None, ()))  # type: ignore[arg-type]
 
 
+def _stuck(address: StoreAddress, future: Future | None = None) -> bool:
+    """Whether a call to `address` is still out past its deadline (`future`: one more)."""
+    with _CLIENTS_LOCK:
+        calls = [f for f in _STUCK.get(address, []) if not f.done()]
+        if future is not None and not future.done():
+            calls.append(future)
+        _STUCK[address] = calls
+        return bool(calls)
+
+
 class StoreReader:
     """Presence and rows of items in a Mooncake Store, for one model, dtype and row layout."""
 
@@ -130,6 +147,8 @@ class StoreReader:
         # behind a connect, and the scheduler waits on neither past its deadline.
         self._connector = _Caller("mmferry-store-connect")
         self._lookups = _Caller("mmferry-store-lookup")
+        self._loads = _Caller("mmferry-store-load")
+        self._abandoned: list[torch.Tensor] = []  # buffers a late read may still write into
         self._connect: Future | None = None
         self._connect_after = 0.0
         self._lookup: Future | None = None
@@ -201,6 +220,8 @@ class StoreReader:
         StoreError when the store cannot answer within `lookup_timeout_s` (not connected yet,
         left alone after an error, or late)."""
         store = self._client(0.0)
+        if _stuck(self.address):
+            raise StoreError("an earlier call to the store has not returned")
         keys = [self.key(h) for h in hashes]
         with self._lock:
             if self._lookup is not None and not self._lookup.done():
@@ -209,6 +230,7 @@ class StoreReader:
         try:
             present = future.result(timeout=self.lookup_timeout_s)
         except FutureTimeout:
+            _stuck(self.address, future)
             raise StoreError(f"no answer within {self.lookup_timeout_s:g} s") from None
         return [self.lease_s if p else 0.0 for p in present]
 
@@ -237,12 +259,24 @@ class StoreReader:
             return out
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         for h, tokens in need.items():
+            if _stuck(self.address):
+                # A store cut off: what is left comes from the services, not after a wait.
+                log.warning("mmferry store: %s has a call out past its deadline", self.url)
+                break
             rows = (1 + self.deepstack) * tokens * self.hidden * itemsize
             size = rows + _HEADER_SLACK + ALIGN
             key = self.key(h)
             try:
                 buf = self._buffer(store, size)
-                got = store.get_into(key, buf.data_ptr(), buf.numel())
+                call = self._loads.submit(store.get_into, key, buf.data_ptr(), buf.numel())
+                try:
+                    got = call.result(timeout=self.connect_wait_s)
+                except FutureTimeout:
+                    # NOTE: the read may still land in the buffer: the next one gets another.
+                    _stuck(self.address, call)
+                    self._abandoned.append(buf)
+                    self._buf = None
+                    raise StoreError(f"no answer within {self.connect_wait_s:g} s") from None
             except StoreError as e:
                 log.warning("mmferry store: cannot read %s: %s", key, e)
                 continue
@@ -278,6 +312,7 @@ class StoreReader:
             buf, self._buf = self._buf, None
         self._connector.close()
         self._lookups.close()
+        self._loads.close()
         if store is not None:
             if buf is not None:
                 store.unregister(buf.data_ptr())
