@@ -161,10 +161,38 @@ def interleave(
         for fn in runners.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in runners}
-    for r in range(rounds):
-        for name in rotated(list(runners), r):
-            times[name].append(runners[name]())
+    with progress(rounds * len(runners), "rounds x sides") as bar:
+        for r in range(rounds):
+            for name in rotated(list(runners), r):
+                times[name].append(runners[name]())
+                bar.update(1)
     return times
+
+
+class _NoBar:
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, n: int = 1) -> None:
+        return None
+
+
+def progress(total: int, unit: str, stream: Any = None) -> Any:
+    """A tqdm bar on stderr while a benchmark runs, only when stderr is a terminal (a log or a
+    pipe gets nothing) and tqdm is installed (it comes with transformers); else a no-op."""
+    import sys
+
+    stream = sys.stderr if stream is None else stream
+    if not stream.isatty():
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, unit=unit, file=stream, leave=False, dynamic_ncols=True)
 
 
 def rotated(names: list[str], round_index: int) -> list[str]:
