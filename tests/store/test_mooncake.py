@@ -23,6 +23,10 @@ def test_address_parsing():
     )
     a = StoreAddress.parse("mooncake://m:1?metadata=x&local_mib=8&retry_s=0.5&host=h")
     assert (a.local_bytes, a.retry_s, a.local_host()) == (8 << 20, 0.5, "h")
+    assert (a.lookup_s, StoreAddress.parse("mooncake://m:1?metadata=x&lookup_s=0.25").lookup_s) == (
+        1.0,
+        0.25,
+    )
     for bad, why in [
         ("redis://m:1?metadata=x", "mooncake://"),
         ("mooncake://m?metadata=x", "mooncake://"),
@@ -30,6 +34,8 @@ def test_address_parsing():
         ("mooncake://m:1?metadata=x&ttl=3", "unknown store parameter"),
         ("mooncake://m:1?metadata=x&local_mib=big", "numbers"),
         ("mooncake://m:1?metadata=x&local_mib=0", "positive"),
+        ("mooncake://m:1?metadata=x&lookup_s=0", "positive"),
+        ("mooncake://m:1?metadata=x&lookup_s=soon", "numbers"),
     ]:
         with pytest.raises(ValueError, match=why):
             StoreAddress.parse(bad)
