@@ -279,7 +279,8 @@ def measure(name: str, cmd: list[str], w: Workload, root: Path = ROOT) -> Run:
         proc.wait(timeout=120)
     print(
         f"  {name}: {len(w.seq) / r.wall_s:.2f} req/s, p50 {_pct(r.latencies, 50) * 1e3:.0f} ms, "
-        f"p99 {_pct(r.latencies, 99) * 1e3:.0f} ms, {len(r.errors)} errors, RSS "
+        f"p99 {_pct(r.latencies, 99) * 1e3:.0f} ms, {r.cpu_s / len(w.seq) * 1e3:.0f} ms of "
+        f"server CPU a request, {len(r.errors)} errors, RSS "
         f"{r.rss_quarter / 2**20:.0f} -> {r.rss_end / 2**20:.0f} MiB",
         flush=True,
     )
@@ -475,7 +476,8 @@ def capacity(report: harness.Report, quick: bool, dtypes: list[str], requests: i
                 gflops[name].append(got["flop"] / got["s"] / 1e9)
                 print(
                     f"  {name}: {requests / got['s']:.2f} req/s, "
-                    f"{got['flop'] / got['s'] / 1e9:.1f} GFLOPS, {got['workers']} workers",
+                    f"{got['flop'] / got['s'] / 1e9:.1f} GFLOPS, {got['workers']} workers, "
+                    f"{got['cpu'] / requests * 1e3:.0f} ms of CPU a request",
                     flush=True,
                 )
                 continue
