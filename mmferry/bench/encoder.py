@@ -249,9 +249,8 @@ def _with_mfu(fig: harness.Figure, flops: int, count: int, peak: float | None) -
         return fig
     seconds = count / statistics.median(fig.ours)
     mfu = f"mmferry MFU {utilisation(flops, seconds, peak):.1%} of {peak / 1e12:.0f} TFLOP/s"
-    if fig.base_name == "transformers":
-        base = utilisation(flops, count / statistics.median(fig.base), peak)
-        mfu += f", transformers {base:.1%}"
+    base = utilisation(flops, count / statistics.median(fig.base), peak)
+    mfu += f", {fig.base_name} {base:.1%}"
     note = f"{fig.note}; {mfu}" if fig.note else mfu
     return dataclasses.replace(fig, note=note)
 
