@@ -32,14 +32,24 @@ item is asked for in the order rendezvous hashing of its routing key ranks them,
 `Router`, the next one when one is down or lacks it), optional `api_key` (or MMFERRY_API_KEY),
 `transport` ("auto" | "shm" | "http" | "mooncake"), `timeout_s` (a worker's load, and the
 wait for an item a service is still encoding, 30),
-`lookup_timeout_s` (a scheduler's lookup, 1). With "mooncake" (and `store`: the
-`mooncake://` address the encoders publish to), items are also looked for in the store, where
-the existence check leases them, and read from it straight into a registered buffer, whichever
-encoder made them; what the store lacks comes from the service as with "auto" (`store_model`,
-`store_family`, `store_dtype`, `store_lease_s`: see `store_reader`). The store is asked as a
-service is: each lookup answers within `lookup_timeout_s` or is "absent" (and the store left
-alone a moment), and the store's client connects in the background, items being absent from it
-until it is up.
+`lookup_timeout_s` (a scheduler's lookup, 1), `rows_at_lookup` (below, false). With
+"mooncake" (and `store`: the `mooncake://` address the encoders publish to), items are also
+looked for in the store, where the existence check leases them, and read from it straight into
+a registered buffer, whichever encoder made them; what the store lacks comes from the service as
+with "auto" (`store_model`, `store_family`, `store_dtype`, `store_lease_s`: see `store_reader`).
+The store is asked as a service is: each lookup answers within `lookup_timeout_s` or is "absent"
+(and the store left alone a moment), and the store's client connects in the background, items
+being absent from it until it is up.
+
+An encoder dying between the scheduler's lookup and the worker's load fails the step: vLLM (0.32)
+plans the load at the lookup, gives the worker no way to hand an item back to its own encoder
+or to fail one request, and stops the engine on the step's error. With `rows_at_lookup: true`
+the scheduler takes the rows at the lookup instead (ensure_cache_available, before vLLM plans
+anything): an item whose rows it could not take is absent, so vLLM encodes it from its pixels,
+or its request alone fails when it carries none, and the worker copies rows the process already
+holds (a view of the service's shared memory stays readable after the service is gone). The
+worker must then run in the scheduler's process (one worker, vLLM's "uni" executor, as with one
+device), and the scheduler's pass waits for the rows (one round trip and a copy per request).
 
 vLLM loads this module by path in its scheduler and worker processes; importing it without
 vLLM installed fails with a message naming what to install.
@@ -50,6 +60,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,8 +92,54 @@ UNREACHABLE_S = 2.0
 # The longest a scheduler step with nothing to run waits for the rows its deferred requests
 # wait for (build_connector_meta), rather than vLLM's engine loop stepping again at once.
 WATCH_S = 0.01
-EXTRA_KEYS = ("url", "urls", "api_key", "transport", "timeout_s", "lookup_timeout_s")
+EXTRA_KEYS = (
+    "url",
+    "urls",
+    "api_key",
+    "transport",
+    "timeout_s",
+    "lookup_timeout_s",
+    "rows_at_lookup",
+)
 STORE_KEYS = ("store", "store_model", "store_family", "store_dtype", "store_lease_s")
+
+
+class _Taken:
+    """Rows the scheduler took at the lookup (`rows_at_lookup`) for the worker of its own process,
+    by connector (caller id) and identifier, with when each was taken; the worker pops them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rows: dict[str, dict[str, tuple[torch.Tensor, float]]] = {}
+
+    def put(self, caller: str, identifier: str, rows: torch.Tensor) -> None:
+        with self.lock:
+            self.rows.setdefault(caller, {})[identifier] = (rows, time.monotonic())
+
+    def has(self, caller: str, identifier: str) -> bool:
+        with self.lock:
+            return identifier in self.rows.get(caller, {})
+
+    def pop(self, caller: str, identifier: str) -> torch.Tensor | None:
+        with self.lock:
+            entry = self.rows.get(caller, {}).pop(identifier, None)
+        return None if entry is None else entry[0]
+
+    def expire(self, caller: str, older_than_s: float, keep: set[str]) -> None:
+        """Drop what no plan took within `older_than_s` (a request aborted or never scheduled:
+        the rows, and the service's lease on them, are not held for ever)."""
+        cutoff = time.monotonic() - older_than_s
+        with self.lock:
+            mine = self.rows.get(caller, {})
+            for identifier in [i for i, (_, t) in mine.items() if t < cutoff and i not in keep]:
+                del mine[identifier]
+
+    def drop(self, caller: str) -> None:
+        with self.lock:
+            self.rows.pop(caller, None)
+
+
+_TAKEN = _Taken()
 
 
 @dataclass
@@ -191,6 +249,11 @@ class MmferryECConnector(ECConnectorBase):
             raise ValueError(f"{sorted(set(extra) & set(STORE_KEYS))} need transport mooncake")
         api_key = extra.get("api_key") or os.environ.get("MMFERRY_API_KEY")
         self._timeout_s = _seconds(extra, "timeout_s", 30.0)
+        self._at_lookup = extra.get("rows_at_lookup", False)
+        if not isinstance(self._at_lookup, bool):
+            raise ValueError(f"rows_at_lookup must be true or false, got {self._at_lookup!r}")
+        if self._at_lookup:
+            _check_one_process(vllm_config.parallel_config)
         # NOTE: one id per connector (the scheduler's); workers get it with each step's plan,
         # so the loads release the very pins the lookups took.
         self._caller = secrets.token_hex(16)
@@ -233,6 +296,7 @@ class MmferryECConnector(ECConnectorBase):
         self._to_load: dict[str, int] = {}
         self._unavailable: set[str] = set()  # requests to fail: an item nobody can supply
         self._deferred: list[str] = []  # items whose requests this pass deferred
+        self._taken_planned: set[str] = set()  # taken rows a plan has named (rows_at_lookup)
 
     # -- scheduler side -------------------------------------------------------------------
 
@@ -240,6 +304,8 @@ class MmferryECConnector(ECConnectorBase):
         """Called before vLLM schedules `request`: False when an item it still needs carries
         no pixels and is not held yet: deferred to a later step while its service is still
         encoding it, else failed at the end of the step (no service holds it)."""
+        if self._at_lookup:
+            self._take_rows(request, num_computed_tokens)
         needed = [
             f.identifier
             for f in request.mm_features
@@ -265,6 +331,45 @@ class MmferryECConnector(ECConnectorBase):
             self._unavailable.add(request.request_id)
             return False
         return not deferred
+
+    def _take_rows(self, request: Any, num_computed_tokens: int) -> None:
+        """(rows_at_lookup) The rows of the request's items that a service holds, taken now,
+        before vLLM plans their load; an item whose rows cannot be had stays absent."""
+        _TAKEN.expire(self._caller, self._timeout_s, self._taken_planned)
+        wanted: dict[str, int] = {}
+        for index, f in enumerate(request.mm_features):
+            if f.mm_position.offset + f.mm_position.length <= num_computed_tokens:
+                continue
+            if not _TAKEN.has(self._caller, f.identifier):
+                wanted[f.identifier] = request.get_num_encoder_embeds(index)
+        if not wanted:
+            return
+        self._ask(list(wanted))
+        by_url: dict[str, dict[str, int]] = {}
+        named: dict[str, list[str]] = {}
+        for identifier, n in wanted.items():
+            item, key, ahead = parse_item_name(identifier)
+            if self._store_presence is not None and self._store_presence.has(item):
+                continue  # the store outlives the encoder that wrote it: loaded by the worker
+            for url in self._choices(key, ahead):
+                presence = self._presences[url]
+                if presence.has(item):
+                    by_url.setdefault(url, {})[item] = n
+                    named.setdefault(item, []).append(identifier)
+                    break
+                if presence.waiting(item):
+                    break
+        within = min(self._timeout_s, UNREACHABLE_S)
+        for url, items in by_url.items():
+            try:
+                rows = self._fetch_from(url, items, self._caller, within)
+            except RuntimeError as e:
+                # Absent: vLLM encodes these items itself, or fails their request alone.
+                log.warning("mmferry service %s could not give %s: %s", url, list(items), e)
+                continue
+            for item, got in rows.items():
+                for identifier in named[item]:
+                    _TAKEN.put(self._caller, identifier, got)
 
     def _waiting(self, identifier: str) -> bool:
         """Whether a service of the item said in this pass that it is still encoding it."""
@@ -314,6 +419,8 @@ class MmferryECConnector(ECConnectorBase):
         item, key, ahead = parse_item_name(identifier)
         if self._store_presence is not None and self._store_presence.has(item):
             return True
+        if self._at_lookup:
+            return _TAKEN.has(self._caller, identifier)  # nothing left to fail at the load
         for url in self._choices(key, ahead):
             presence = self._presences[url]
             if presence.has(item):
@@ -327,6 +434,9 @@ class MmferryECConnector(ECConnectorBase):
         identifier = request.mm_features[index].identifier
         item = parse_item_name(identifier)[0]
         stored = self._store_presence is not None and self._store_presence.claim(item)
+        if not stored and self._at_lookup and _TAKEN.has(self._caller, identifier):
+            self._taken_planned.add(identifier)
+            stored = True
         url = self._owners.pop(identifier, None)
         if url is not None and self._presences[url].claim(item):
             self._planned[identifier] = url
@@ -336,6 +446,9 @@ class MmferryECConnector(ECConnectorBase):
 
     def build_connector_meta(self, scheduler_output: Any) -> MmferryECMetadata:
         meta = MmferryECMetadata(dict(self._to_load), self._caller, dict(self._planned))
+        # NOTE: the worker of this process pops each planned taken item within the step; one
+        # it has not yet popped is kept from expiry until then.
+        self._taken_planned = {i for i in self._taken_planned if _TAKEN.has(self._caller, i)}
         self._to_load.clear()
         self._planned.clear()
         self._owners.clear()
@@ -376,6 +489,7 @@ class MmferryECConnector(ECConnectorBase):
         keys: dict[str, str] = {}
         for identifier, n in meta.items.items():
             if identifier in encoder_cache:
+                _TAKEN.pop(meta.caller, identifier)  # rows_at_lookup: not needed after all
                 continue
             item, key, _ = parse_item_name(identifier)
             named.setdefault(item, []).append(identifier)
@@ -385,6 +499,17 @@ class MmferryECConnector(ECConnectorBase):
         if not need:
             return
         device = self._device()
+        for item in list(need):
+            # rows_at_lookup: rows this process's scheduler took; the one copy, onto the device.
+            taken = [_TAKEN.pop(meta.caller, i) for i in named[item]]
+            src = next((t for t in taken if t is not None), None)
+            if src is not None:
+                dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+                dst.copy_(src, non_blocking=device.type == "cuda")
+                encoder_cache.update(dict.fromkeys(named[item], dst))
+                del need[item]
+        if not need:
+            return
         if self._store is not None:
             # Straight from the store onto the device; what it lacks comes from the service.
             found = self._store.load(need, device, self._rows.dtype)
@@ -456,11 +581,23 @@ class MmferryECConnector(ECConnectorBase):
         return None  # a consumer: the service is the producer
 
     def shutdown(self) -> None:
+        _TAKEN.drop(self._caller)
         self._asking.shutdown(wait=False)
         for client in self._clients.values():
             client.close()
         if self._store is not None:
             self._store.close()
+
+
+def _check_one_process(parallel: Any) -> None:
+    """rows_at_lookup hands rows from the scheduler to the worker within one process."""
+    backend = getattr(parallel, "distributed_executor_backend", None)
+    if parallel.world_size != 1 or backend not in (None, "uni"):
+        raise ValueError(
+            "rows_at_lookup needs vLLM's worker in the scheduler's process (one worker, "
+            f"distributed_executor_backend 'uni'); this engine has {parallel.world_size} "
+            f"worker(s) on {backend!r}"
+        )
 
 
 def encodable(feature: Any) -> bool:
