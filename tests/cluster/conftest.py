@@ -35,15 +35,3 @@ def make_net(netns, tmp_path_factory) -> Iterator[Callable[[list[str]], cluster.
         net.stop()
     left = [x for net in nets for x in net.leftovers()]
     assert not left, f"left after the run: {left}"
-
-
-def assert_no_leftovers(net: cluster.Net, started: set[int]) -> None:
-    """After a test: the processes it started (pids not in `started`) have ended, and no host
-    holds a /dev/shm entry."""
-    alive = [
-        f"{h.name}: {p.args[-1]!r}"
-        for h in net.hosts.values()
-        for p in h.procs
-        if p.pid not in started and p.poll() is None
-    ]
-    assert not alive, f"a test left processes running: {alive}"
