@@ -36,10 +36,11 @@ def start(
     """`python ARGS` inside `host`, output to WORK/NAME.log; waits for its "listening on URL"
     line and returns URL (which must be on the host's own address)."""
     log = net.work / f"{name}.log"
+    start_at = log.stat().st_size if log.exists() else 0  # a restart appends to the log
     proc = host.popen([python, *args], env=env(**(extra_env or {})), log=log)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = log.read_text() if log.exists() else ""
+        text = log.read_bytes()[start_at:].decode(errors="replace") if log.exists() else ""
         for line in text.splitlines():
             if "listening on " in line and line.split("listening on ")[1].startswith("http"):
                 url = line.split("listening on ")[1].strip()
