@@ -275,7 +275,7 @@ def bench_tower(
     images a call), and eager vs CUDA graphs at `latency` images of 448x448. On the CPU (a
     smoke test of this path) the graphs side is the padded path without capture."""
     cfg = config or TOWERS[name]()
-    model = "qwen2.5-vl" if cfg.family == "qwen2_5_vl" else "qwen3-vl"
+    model = spec_for(cfg.family).preset_name
     dev, dtype = device, torch.bfloat16
     cuda = torch.device(dev).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from mmferry.config import VisionConfig
 from mmferry.encoder.metadata import frame_windows
+from mmferry.models import spec_for
 
 Grid = tuple[int, int, int]
 
@@ -46,15 +47,15 @@ def _attention(lengths: Sequence[int], hidden: int) -> int:
 def tower_flops(config: VisionConfig, grids: Sequence[Grid]) -> int:
     """Matmul FLOPs of one forward of `config`'s tower over items of `grids`."""
     c = config
+    spec = spec_for(c.family)  # the family's cost facts: MLP matmuls, window attention
     d, inter, unit = c.hidden_size, c.intermediate_size, c.spatial_merge_size**2
     n = sum(t * h * w for t, h, w in grids)
     frames = [h * w for t, h, w in grids for _ in range(t)]
     flops = 2 * n * (c.in_channels * c.temporal_patch_size * c.patch_size**2) * d
-    mlp_matmuls = 3 if c.family == "qwen2_5_vl" else 2
-    per_layer = 2 * n * d * (3 * d + d + mlp_matmuls * inter)
+    per_layer = 2 * n * d * (3 * d + d + spec.mlp_matmuls * inter)
     full = _attention(frames, d)
     windowed = full
-    if c.family == "qwen2_5_vl":
+    if spec.windowed:
         window = c.window_size // c.spatial_merge_size // c.patch_size
         lengths = [
             m
@@ -64,7 +65,7 @@ def tower_flops(config: VisionConfig, grids: Sequence[Grid]) -> int:
         ]
         windowed = _attention(lengths, d)
     for layer in range(c.depth):
-        is_full = c.family != "qwen2_5_vl" or layer in c.fullatt_block_indexes
+        is_full = not spec.windowed or layer in c.fullatt_block_indexes
         flops += per_layer + (full if is_full else windowed)
     # The merger (and each deepstack merger): [N/unit, unit*d] -> unit*d -> out.
     merged = n // unit
