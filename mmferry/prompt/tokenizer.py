@@ -46,6 +46,7 @@ class CachedTokenizer:
     ) -> None:
         self._decode = decode_fn
         self.added_ids = added_ids
+
         def encode_once(text: str) -> tuple[int, ...]:
             out = encode_fn(text)
             ids = getattr(out, "ids", out)  # tokenizers.Encoding carries its ids in `.ids`

@@ -19,9 +19,7 @@ def import_aiohttp() -> Any:
     try:
         import aiohttp
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "mmferry proxy needs aiohttp: pip install 'mmferry[server]'"
-        ) from e
+        raise ImportError("mmferry proxy needs aiohttp: pip install 'mmferry[server]'") from e
     return aiohttp
 
 
