@@ -7,11 +7,10 @@ costs less than `PAD_COST_LIMIT` times the exact work, so each layer is ONE SDPA
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mmferry.encoder import attention
 from mmferry.encoder.model import VisionEncoder
-from mmferry.items import MultimodalItem
+from tests.encoder.tower_helpers import items_for, max_diff, reference
 
 FAMILIES = {
     # fixture: (grids, feature columns)
@@ -19,29 +18,6 @@ FAMILIES = {
     "qwen2_5_ckpt": ([(1, 8, 8), (1, 8, 10), (1, 10, 8), (2, 8, 6)], 3 * 2 * 14 * 14),
     "qwen2_ckpt": ([(1, 8, 8), (1, 8, 10), (1, 10, 8), (2, 8, 6)], 3 * 2 * 14 * 14),
 }
-
-
-def items_for(grids, cols, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    feats = [torch.randn(t * h * w, cols, generator=gen) for t, h, w in grids]
-    items = [
-        MultimodalItem("image" if g[0] == 1 else "video", f, g, "hf", f"item{i}")
-        for i, (f, g) in enumerate(zip(feats, grids))
-    ]
-    return feats, items
-
-
-def reference(model, feats, grids):
-    """transformers' tower on the packed batch, split per item (main rows, deepstack rows)."""
-    with torch.no_grad():
-        out = model(torch.cat(feats), grid_thw=torch.tensor(grids))
-    sizes = [t * h * w // 4 for t, h, w in grids]
-    deepstack = [d.split(sizes) for d in (getattr(out, "deepstack_features", None) or [])]
-    return out.pooler_output.split(sizes), deepstack
-
-
-def max_diff(a, b) -> float:
-    return (a.float() - b.float()).abs().max().item()
 
 
 @pytest.mark.parametrize("fixture", list(FAMILIES))

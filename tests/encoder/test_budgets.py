@@ -6,8 +6,6 @@ so its exactness is proven where CI runs; `test_graphs.py` replays it on CUDA.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -23,7 +21,8 @@ from mmferry.encoder.metadata import build_metadata
 from mmferry.encoder.model import VisionEncoder
 from mmferry.items import MultimodalItem
 from mmferry.models import spec_for
-from tests.encoder.test_batched import FAMILIES, items_for, max_diff, reference
+from tests.encoder.test_batched import FAMILIES
+from tests.encoder.tower_helpers import items_for, max_diff, reference, small_config
 
 
 def test_default_budgets_are_powers_of_two_from_1k_to_64k():
@@ -125,15 +124,7 @@ def test_compact_layout_padded_forward_packed(qwen3_ckpt):
 @pytest.mark.parametrize("model", ["qwen3-vl", "qwen2.5-vl", "qwen2-vl"])
 def test_padded_forward_on_meta(model):
     # The padding, the padded metadata and the block-diagonal attention read no tensor value.
-    cfg = dataclasses.replace(
-        spec_for(model).random_config,
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        deepstack_visual_indexes=(1,) if model == "qwen3-vl" else (),
-        fullatt_block_indexes=(1,) if model == "qwen2.5-vl" else (),
-    )
+    cfg = small_config(model)
     enc = VisionEncoder.random(config=cfg, device="meta", token_budgets=(128,))
     cols = 3 * 2 * cfg.patch_size**2
     items = [

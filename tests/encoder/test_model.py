@@ -10,6 +10,7 @@ import torch
 from mmferry.encoder.model import VisionEncoder, VisionOutput
 from mmferry.items import MultimodalItem
 from mmferry.models import spec_for
+from tests.encoder.tower_helpers import small_config
 
 TINY = dataclasses.replace(
     spec_for("qwen3-vl").random_config,
@@ -66,15 +67,7 @@ def test_whole_forward_on_meta(model):
     # Every tensor op runs on `meta`, where reading a value back to the host (.item(),
     # .tolist(), boolean-mask indexing, data-dependent shapes) raises: the forward makes no
     # host sync.
-    cfg = dataclasses.replace(
-        spec_for(model).random_config,
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        deepstack_visual_indexes=(1,) if model == "qwen3-vl" else (),
-        fullatt_block_indexes=(1,) if model == "qwen2.5-vl" else (),
-    )
+    cfg = small_config(model)
     enc = VisionEncoder.random(config=cfg, device="meta")
     assert enc.tower.blocks[0].attn.qkv.weight.is_meta
     cols = 3 * 2 * cfg.patch_size**2
