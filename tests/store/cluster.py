@@ -70,6 +70,8 @@ class Cluster:
     http: int = field(default_factory=free_port)
     metrics: int = field(default_factory=free_port)
     holder_port: int = field(default_factory=free_port)
+    # Extra flags for mooncake_master (a test that needs a longer lease than its 10 s default).
+    master_args: tuple[str, ...] = ()
     master: subprocess.Popen | None = None
     holder: subprocess.Popen | None = None
 
@@ -100,6 +102,7 @@ class Cluster:
                 f"--http_metadata_server_port={self.http}",
                 f"--metrics_port={self.metrics}",
                 "--metrics_host=127.0.0.1",
+                *self.master_args,
             ],
         )
         _wait_port(self.rpc, self.master, self.work / "mooncake_master.log")

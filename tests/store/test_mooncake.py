@@ -127,13 +127,14 @@ def test_full_store_costs_only_that_put(mooncake, tmp_path):
     next lookup still goes to it."""
     from tests.store.cluster import Cluster
 
-    c = Cluster(tmp_path, segment="16 MB").start()
+    # NOTE: the first entry is leased after its put, so it is not evicted to make room; the
+    # master's default lease (10 s) could run out between the two puts on a loaded machine.
+    c = Cluster(tmp_path, segment="16 MB", master_args=("--default_kv_lease_ttl=300s",)).start()
     store = None
     try:
         store = MooncakeStore(StoreAddress.parse(c.url + "&local_mib=16"))
         big = entry_key("06" * 16, MODEL, torch.float32)
         store.put(big, [torch.zeros(15 << 20, dtype=torch.uint8).numpy()])
-        # NOTE: the first entry is leased for a while after its put, so it is not evicted yet.
         with pytest.raises(StoreError, match="code"):
             store.put(
                 entry_key("07" * 16, MODEL, torch.float32),
