@@ -127,9 +127,16 @@ def test_full_store_costs_only_that_put(mooncake, tmp_path):
     next lookup still goes to it."""
     from tests.store.cluster import Cluster
 
-    # NOTE: the first entry is leased after its put, so it is not evicted to make room; the
-    # master's default lease (10 s) could run out between the two puts on a loaded machine.
-    c = Cluster(tmp_path, segment="16 MB", master_args=("--default_kv_lease_ttl=300s",)).start()
+    # NOTE: the store must stay full: the first entry's lease (10 s by default) could run out
+    # between the two puts on a loaded machine and the master then evicts it to make room, so
+    # the lease is long and eviction is off (with a 1 ms lease and eviction on, the second put
+    # succeeds: the failure seen in full runs).
+    no_eviction = (
+        "--default_kv_lease_ttl=300s",
+        "--eviction_ratio=0",
+        "--eviction_high_watermark_ratio=1.0",
+    )
+    c = Cluster(tmp_path, segment="16 MB", master_args=no_eviction).start()
     store = None
     try:
         store = MooncakeStore(StoreAddress.parse(c.url + "&local_mib=16"))
