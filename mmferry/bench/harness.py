@@ -43,6 +43,10 @@ class Figure:
     unit: str = "ms"  # "ms" for times measured in seconds; anything else is shown as is
     higher_is_better: bool = False  # True for throughputs (images/s), False for times, bytes
     note: str = ""
+    # Where a figure is one point of a sweep, the setting it was taken at and the side its
+    # "ours" values are ({"concurrency": 4, "side": "transformers float32"}): what a plot
+    # draws it against, instead of parsing the label.
+    at: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of_values(

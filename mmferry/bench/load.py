@@ -36,6 +36,7 @@ quiet CPUs, the all-distinct one longer, as mmferry encodes every request there;
 24-layer tower takes hours for 5 rounds).
 
 Run: python -m mmferry.bench.load [--quick] [--json FILE] [--against DIR] [--only A,B]
+     python -m mmferry.bench.load --capacity DTYPES [--requests N] [--concurrency 1,4,16] ...
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -427,10 +428,19 @@ def tower_alone(depth: int | None, dtype: str, requests: int) -> dict[str, float
     return {"s": wall, "cpu": cpu, "flop": float(flop), "workers": workers}
 
 
-def capacity(report: harness.Report, quick: bool, dtypes: list[str], requests: int) -> None:
-    """The tier's requests/s on the all-distinct workload at concurrency 16 against its own
-    floor (the tower alone, same cores, same dtype), and transformers' server beside it, for
-    each dtype; the rounds interleave every side. Checked first on every run: the load
+def capacity(
+    report: harness.Report,
+    quick: bool,
+    dtypes: list[str],
+    requests: int,
+    concurrencies: list[int] | None = None,
+) -> None:
+    """The tier's requests/s on the all-distinct workload at each of `concurrencies` (16 when
+    None) against its own floor (the tower alone, same cores, same dtype: it has no
+    concurrency, so one run a round serves every concurrency), and transformers' server
+    beside it, for each dtype; the rounds interleave every side. Each requests/s figure
+    carries its concurrency and side in `at`, which `mmferry.bench.plot` draws as the tier's
+    capacity against concurrency. Checked first on every run: the load
     checks, mmferry's float32 rows against transformers' (ROWS_TOLERANCE, where pixels are
     equal); a dtype's rows against the same server's float32 rows are reported, and mmferry's
     bfloat16 rows must lie no further from transformers' float32 ones than
@@ -446,6 +456,10 @@ def capacity(report: harness.Report, quick: bool, dtypes: list[str], requests: i
         full.serve_flags,
         cache_bytes=full.cache_bytes,
     )
+    sweep = concurrencies or [w.concurrency]
+    # With one concurrency the labels stay as they were (no suffix), so earlier runs compare.
+    tag = {c: "" if sweep == [w.concurrency] else f", concurrency {c}" for c in sweep}
+    loads = {c: replace(w, concurrency=c) for c in sweep}
     proc = mf.Processor.for_model("qwen3-vl")
     expected = [proc.image(d, "compact-u8") for d in w.datas]
     same = pixels_agree(w.datas, baseline_processor())
@@ -453,9 +467,12 @@ def capacity(report: harness.Report, quick: bool, dtypes: list[str], requests: i
     base = [sys.executable, "-m", "mmferry.bench.load", "--serve-baseline", *depth]
     alone = [sys.executable, "-m", "mmferry.bench.load", "--tower-alone", *depth]
     sides: dict[str, list[str]] = {}
+    at: dict[str, int] = {}  # a server side's concurrency
     for dt in dtypes:
-        sides[f"mmferry {dt}"] = [*serve, "--dtype", dt]
-        sides[f"transformers {dt}"] = [*base, "--dtype", dt]
+        for c in sweep:
+            sides[f"mmferry {dt}{tag[c]}"] = [*serve, "--dtype", dt]
+            sides[f"transformers {dt}{tag[c]}"] = [*base, "--dtype", dt]
+            at[f"mmferry {dt}{tag[c]}"] = at[f"transformers {dt}{tag[c]}"] = c
         sides[f"tower alone {dt}"] = [*alone, "--dtype", dt, "--requests", str(requests)]
     rate: dict[str, list[float]] = {k: [] for k in sides}
     cpu: dict[str, list[float]] = {k: [] for k in sides}
@@ -481,20 +498,21 @@ def capacity(report: harness.Report, quick: bool, dtypes: list[str], requests: i
                     flush=True,
                 )
                 continue
-            got = measure(name, sides[name], w)
+            got = measure(name, sides[name], loads[at[name]])
             check(name, got, w.seq, expected, hashes=name.startswith("mmferry"))
             rate[name].append(requests / got.wall_s)
             cpu[name].append(got.cpu_s / requests)
             runs[name] = got
         for dt in dtypes:
-            ours, theirs = runs[f"mmferry {dt}"], runs[f"transformers {dt}"]
-            key = f"mmferry {dt} - transformers {dt}"
-            if dt == "float32":
-                diffs[key] = max(diffs.get(key, 0.0), _agreement(ours, theirs, w.seq, same))
-            else:
-                diffs[key] = max(diffs.get(key, 0.0), _largest(ours, theirs, w.seq, same))
-        if "float32" in dtypes:
-            hf32 = runs["transformers float32"]
+            for t in tag.values():
+                ours, theirs = runs[f"mmferry {dt}{t}"], runs[f"transformers {dt}{t}"]
+                key = f"mmferry {dt} - transformers {dt}"
+                if dt == "float32":
+                    diffs[key] = max(diffs.get(key, 0.0), _agreement(ours, theirs, w.seq, same))
+                else:
+                    diffs[key] = max(diffs.get(key, 0.0), _largest(ours, theirs, w.seq, same))
+        for t in tag.values() if "float32" in dtypes else ():
+            hf32 = runs[f"transformers float32{t}"]
             for dt in dtypes:
                 if dt == "float32":
                     continue
@@ -502,11 +520,11 @@ def capacity(report: harness.Report, quick: bool, dtypes: list[str], requests: i
                     key = f"{who} {dt} - {who} float32"
                     diffs[key] = max(
                         diffs.get(key, 0.0),
-                        _largest(runs[f"{who} {dt}"], runs[f"{who} float32"], w.seq, same),
+                        _largest(runs[f"{who} {dt}{t}"], runs[f"{who} float32{t}"], w.seq, same),
                     )
                 key = f"mmferry {dt} - transformers float32"
-                ours_off = _largest(runs[f"mmferry {dt}"], hf32, w.seq, same)
-                theirs_off = _largest(runs[f"transformers {dt}"], hf32, w.seq, same)
+                ours_off = _largest(runs[f"mmferry {dt}{t}"], hf32, w.seq, same)
+                theirs_off = _largest(runs[f"transformers {dt}{t}"], hf32, w.seq, same)
                 if ours_off > BF16_AGAINST_HF * theirs_off:
                     raise AssertionError(
                         f"mmferry {dt} lies {ours_off:.3g} from transformers' float32 rows, "
@@ -517,23 +535,26 @@ def capacity(report: harness.Report, quick: bool, dtypes: list[str], requests: i
             got.responses.clear()
     tower = "1-layer qwen3-vl tower (--quick)" if quick else "24-layer qwen3-vl tower"
     print(
-        f"{w.name}: {requests} requests, concurrency {w.concurrency}, {tower}; largest row "
+        f"{w.name}: {requests} requests, concurrency {', '.join(map(str, sweep))}, {tower}; "
+        "largest row "
         "differences (over images whose pixels are equal): "
         + ", ".join(f"{k} {v:.3g}" for k, v in diffs.items())
     )
-    for dt in dtypes:
-        floor, ours, theirs = f"tower alone {dt}", f"mmferry {dt}", f"transformers {dt}"
+    for dt, c in ((dt, c) for dt in dtypes for c in sweep):
+        t = tag[c]
+        floor, ours, theirs = f"tower alone {dt}", f"mmferry {dt}{t}", f"transformers {dt}{t}"
         note = f"the tower alone at {np.median(gflops[floor]):.1f} GFLOPS"
         for name, base_name in ((ours, floor), (theirs, floor), (ours, theirs)):
             report.add(
                 harness.Figure(
-                    f"requests/s, {dt}, {w.name}" + (f", {name}" if name != ours else ""),
+                    f"requests/s, {dt}, {w.name}{t}" + (f", {name}" if name != ours else ""),
                     base_name,
                     rate[base_name],
                     rate[name],
                     unit="req/s",
                     higher_is_better=True,
                     note=note if base_name == floor else "",
+                    at={"concurrency": c, "side": name.removesuffix(t)},
                 )
             )
         for name in (ours, theirs):
@@ -546,16 +567,16 @@ def capacity(report: harness.Report, quick: bool, dtypes: list[str], requests: i
                     note="the server's every thread; the floor's tower calls only",
                 )
             )
-    for dt in dtypes:
+    for dt, t in ((dt, t) for dt in dtypes for t in tag.values()):
         if dt == "float32" or "float32" not in dtypes:
             continue
         for who in ("mmferry", "transformers"):
             report.add(
                 harness.Figure(
-                    f"requests/s, {who} {dt} against float32, {w.name}",
-                    f"{who} float32",
-                    rate[f"{who} float32"],
-                    rate[f"{who} {dt}"],
+                    f"requests/s, {who} {dt} against float32, {w.name}{t}",
+                    f"{who} float32{t}",
+                    rate[f"{who} float32{t}"],
+                    rate[f"{who} {dt}{t}"],
                     unit="req/s",
                     higher_is_better=True,
                 )
@@ -763,11 +784,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only")
     p.add_argument("--capacity", help="dtypes, comma-separated: the tier against its floor")
     p.add_argument("--requests", type=int, default=REQUESTS)
+    p.add_argument("--concurrency", help="with --capacity: concurrencies, comma-separated")
     known, rest = p.parse_known_args(argv)
+    if known.concurrency and not known.capacity:
+        raise SystemExit("--concurrency is a setting of --capacity")
     if known.capacity:
         dtypes = known.capacity.split(",")
+        sweep = [int(c) for c in known.concurrency.split(",")] if known.concurrency else None
         return harness.main_for(
-            lambda report, quick: capacity(report, quick, dtypes, known.requests),
+            lambda report, quick: capacity(report, quick, dtypes, known.requests, sweep),
             rest,
             "The encoder tier's capacity against the tower alone",
         )
