@@ -62,3 +62,26 @@ def test_a_file_no_benchmark_wrote_is_refused(tmp_path):
     assert r.returncode == 2
     assert "not a benchmark's --json output" in r.stderr
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_a_concurrency_sweep_gives_the_capacity_chart(tmp_path):
+    report = harness.Report(quiet=True)
+    floor = [9.0, 10.0, 11.0, 10.0, 10.0]
+    for c in (1, 4, 16):
+        for side, rate in (("mmferry float32", 8.0), ("transformers float32", 5.0)):
+            report.add(
+                harness.Figure(
+                    f"requests/s, float32, all distinct, concurrency {c}, {side}",
+                    "tower alone float32",
+                    floor,
+                    [rate + c / 16] * 5,
+                    unit="req/s",
+                    higher_is_better=True,
+                    at={"concurrency": c, "side": side},
+                )
+            )
+    report.dump_json(tmp_path / "c.json")
+    r = _plot(tmp_path, tmp_path / "c.json")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(tmp_path / "capacity.png")]
+    assert (tmp_path / "capacity.png").read_bytes()[:8] == PNG

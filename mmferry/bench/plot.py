@@ -4,7 +4,9 @@ Reads what the benchmarks write with `--json` and draws, never from figures type
 
 - a harness report (`mmferry bench --json`, `python -m mmferry.bench.NAME --json`): one chart
   per section, each figure's median ratio (mmferry over its baseline) with its spread over the
-  rounds, `<section>.png`;
+  rounds, `<section>.png`; where a section's figures are points of a concurrency sweep
+  (`python -m mmferry.bench.load --capacity D --concurrency 1,4,16`), requests/s of each side
+  against concurrency with its floor, `capacity.png`, instead;
 - the face-off (`examples/bench_proxy.py --json`): TTFT p50 per set-up and workload, median
   and spread over the rounds, `faceoff-<model>.png`;
 - SGLang's disaggregation (`examples/bench_sglang_epd.py --json`): the same for its two encoder
@@ -91,13 +93,53 @@ def grouped_bars(
     return path
 
 
+def sweep_chart(title: str, figures: list[dict[str, Any]], path: Path) -> Path:
+    """Requests/s of each side against concurrency (median, min-max error bars), each floor
+    the sides were measured against a dashed line at its median with its spread shaded."""
+    plt = _pyplot()
+    points = [f for f in figures if "concurrency" in f.get("at", {})]
+    sides: dict[str, dict[int, list[float]]] = {}
+    floors: dict[str, list[float]] = {}
+    for f in points:
+        sides.setdefault(f["at"]["side"], {})[int(f["at"]["concurrency"])] = f["ours"]
+        if f["base_name"] not in sides:  # a floor, not a side compared with another side
+            floors.setdefault(f["base_name"], f["base"])
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for side, per in sides.items():
+        cs = sorted(per)
+        meds = [statistics.median(per[c]) for c in cs]
+        lows = [m - min(per[c]) for m, c in zip(meds, cs)]
+        highs = [max(per[c]) - m for m, c in zip(meds, cs)]
+        ax.errorbar(cs, meds, yerr=[lows, highs], marker="o", capsize=3, label=side)
+    for i, (floor, values) in enumerate(floors.items()):
+        color = f"C{len(sides) + i}"
+        ax.axhline(statistics.median(values), color=color, linestyle="--", label=floor)
+        ax.axhspan(min(values), max(values), color=color, alpha=0.12)
+    unit = points[0].get("unit", "") if points else ""
+    ax.set_xscale("log", base=2)
+    ticks = sorted({c for per in sides.values() for c in per})
+    ax.set_xticks(ticks, [str(c) for c in ticks])
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel(f"{unit} (median and spread over the rounds)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def from_report(doc: dict[str, Any], out: Path) -> list[Path]:
     machine = doc.get("machine", "")
-    return [
-        ratio_chart(f"{section}\n{machine}", figures, out / f"{section}.png")
-        for section, figures in doc["sections"].items()
-        if any(f.get("ratio") is not None for f in figures)
-    ]
+    written = []
+    for section, figures in doc["sections"].items():
+        if any("concurrency" in f.get("at", {}) for f in figures):
+            title = f"The encoder tier's capacity against concurrency\n{machine}"
+            written.append(sweep_chart(title, figures, out / "capacity.png"))
+        elif any(f.get("ratio") is not None for f in figures):
+            written.append(ratio_chart(f"{section}\n{machine}", figures, out / f"{section}.png"))
+    return written
 
 
 def from_faceoff(doc: dict[str, Any], out: Path) -> list[Path]:
