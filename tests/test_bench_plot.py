@@ -85,3 +85,24 @@ def test_a_concurrency_sweep_gives_the_capacity_chart(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(tmp_path / "capacity.png")]
     assert (tmp_path / "capacity.png").read_bytes()[:8] == PNG
+
+
+def test_per_size_figures_give_the_ratio_against_image_size(tmp_path):
+    report = harness.Report(quiet=True)
+    report.section("image sizes")
+    for w, h, gain in ((224, 224, 2.0), (1280, 720, 4.0), (4000, 3000, 8.0)):
+        for base_name in ("transformers PIL processor", "transformers torchvision processor"):
+            report.add(
+                harness.Figure(
+                    f"{w}x{h} PIL image, hf",
+                    base_name,
+                    [gain * 1e-3] * 5,
+                    [1e-3] * 5,
+                    at={"pixels": w * h, "size": f"{w}x{h}", "side": "mmferry hf"},
+                )
+            )
+    report.dump_json(tmp_path / "s.json")
+    r = _plot(tmp_path, tmp_path / "s.json")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(tmp_path / "image-sizes.png")]
+    assert (tmp_path / "image-sizes.png").read_bytes()[:8] == PNG

@@ -3,7 +3,8 @@ own environment (torch 2.14.1 + torchvision 0.29.1), driven over stdin/stdout by
 `bench/preprocess.py` so its rounds interleave with mmferry's.
 
 Protocol, one JSON object per line: {"cmd": "load", "files": [...], "settings": {...}} ->
-{"ok": true}; {"cmd": "run", "kind": "pil" | "jpeg"} -> {"s": seconds, "cpu": CPU seconds of
+{"ok": true}; {"cmd": "run", "kind": "pil" | "jpeg"} (optionally "items": [i, ...], the
+images of the round, and "repeat": n, times each) -> {"s": seconds, "cpu": CPU seconds of
 the process (all its threads)}; {"cmd": "stages"} -> {stage: CPU seconds} over the PIL images;
 {"cmd": "check", "index": i, "kind": ..., "out": path.npy} -> {"ok": true}; {"cmd": "quit"}.
 Imports only the baseline's own packages (no mmferry).
@@ -52,7 +53,8 @@ def main() -> int:
             reply = {"ok": True}
         elif msg["cmd"] == "run":
             t0, c0 = time.perf_counter(), time.process_time()
-            run(msg["kind"], list(range(len(datas))))
+            items = msg.get("items", list(range(len(datas))))
+            run(msg["kind"], items * msg.get("repeat", 1))
             reply = {"s": time.perf_counter() - t0, "cpu": time.process_time() - c0}
         elif msg["cmd"] == "stages":
             reply = stages(proc, images)

@@ -6,7 +6,9 @@ Reads what the benchmarks write with `--json` and draws, never from figures type
   per section, each figure's median ratio (mmferry over its baseline) with its spread over the
   rounds, `<section>.png`; where a section's figures are points of a concurrency sweep
   (`python -m mmferry.bench.load --capacity D --concurrency 1,4,16`), requests/s of each side
-  against concurrency with its floor, `capacity.png`, instead;
+  against concurrency with its floor, `capacity.png`, instead; where they are points per image
+  size (`python -m mmferry.bench.preprocess --only sizes`), each ratio against the image's
+  size, `image-sizes.png`;
 - the face-off (`examples/bench_proxy.py --json`): TTFT p50 per set-up and workload, median
   and spread over the rounds, `faceoff-<model>.png`;
 - SGLang's disaggregation (`examples/bench_sglang_epd.py --json`): the same for its two encoder
@@ -130,6 +132,40 @@ def sweep_chart(title: str, figures: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def size_chart(title: str, figures: list[dict[str, Any]], path: Path) -> Path:
+    """mmferry's ratio against the image's size in megapixels, a line per side and baseline
+    (median, min-max error bars), 1x marked."""
+    plt = _pyplot()
+    import matplotlib.ticker
+
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for f in figures:
+        if "pixels" in f.get("at", {}) and f.get("ratio") is not None:
+            lines.setdefault(f"{f['at']['side']} vs {f['base_name']}", []).append(f)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for name, points in lines.items():
+        points.sort(key=lambda f: f["at"]["pixels"])
+        xs = [f["at"]["pixels"] / 1e6 for f in points]
+        meds = [f["ratio"] for f in points]
+        lows = [f["ratio"] - f.get("ratio_min", f["ratio"]) for f in points]
+        highs = [f.get("ratio_max", f["ratio"]) - f["ratio"] for f in points]
+        ax.errorbar(xs, meds, yerr=[lows, highs], marker="o", markersize=4, capsize=2, label=name)
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    fmt = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.xaxis.set_major_formatter(fmt)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.set_xlabel("image size (megapixels, log)")
+    ax.set_ylabel("mmferry's advantage (x; median and spread over the rounds)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def from_report(doc: dict[str, Any], out: Path) -> list[Path]:
     machine = doc.get("machine", "")
     written = []
@@ -137,6 +173,9 @@ def from_report(doc: dict[str, Any], out: Path) -> list[Path]:
         if any("concurrency" in f.get("at", {}) for f in figures):
             title = f"The encoder tier's capacity against concurrency\n{machine}"
             written.append(sweep_chart(title, figures, out / "capacity.png"))
+        elif any("pixels" in f.get("at", {}) for f in figures):
+            title = f"Preprocessing against transformers' processors per image size\n{machine}"
+            written.append(size_chart(title, figures, out / "image-sizes.png"))
         elif any(f.get("ratio") is not None for f in figures):
             written.append(ratio_chart(f"{section}\n{machine}", figures, out / f"{section}.png"))
     return written

@@ -11,9 +11,12 @@ hit nearly always, so a second image workload gives every round new sizes (none 
 across rounds), JPEG bytes, with mmferry timed with its cache on and off beside the PIL
 processor. Every output is checked first: against the baselines, and mmferry's in recycled
 buffers against fresh pages. Floors: one 12 MP image (a decoded HWC array) against one uint8
-resize plus one write of the output. Video: a seeded 60 s 1280x720 H.264 clip (a keyframe
-every 2 s), sampled at 0.25 and 2 fps, against today's decoder (every frame decoded up to the
-last sampled one, held at full size, then resized), kept here as the reference.
+resize plus one write of the output. Sizes: the same images one size at a time (decoded PIL
+images, each round that image repeated to about SIZE_ROUND_PIXELS), mmferry's ratio against
+each baseline per image size, drawn by `mmferry.bench.plot` against the size. Video: a
+seeded 60 s 1280x720 H.264 clip (a keyframe every 2 s), sampled at 0.25 and 2 fps, against
+today's decoder (every frame decoded up to the last sampled one, held at full size, then
+resized), kept here as the reference.
 
 Run: python -m mmferry.bench.preprocess [--quick] [--rounds N] [--baseline-venv DIR] [--json PATH]
 """
@@ -221,10 +224,15 @@ class TorchvisionWorker:
             raise RuntimeError(reply["error"])
         return reply
 
-    def run(self, kind: str, cpu: list[float] | None = None) -> float:
-        """Seconds of one round of `kind`; its CPU seconds (all the worker's threads) are
-        appended to `cpu`."""
-        reply = self.ask({"cmd": "run", "kind": kind})
+    def run(
+        self, kind: str, cpu: list[float] | None = None, items: list[int] | None = None, repeat=1
+    ) -> float:
+        """Seconds of one round of `kind` (every image, or `items` each `repeat` times); its
+        CPU seconds (all the worker's threads) are appended to `cpu`."""
+        msg: dict = {"cmd": "run", "kind": kind, "repeat": repeat}
+        if items is not None:
+            msg["items"] = items
+        reply = self.ask(msg)
         if cpu is not None:
             cpu.append(reply["cpu"])
         return reply["s"]
@@ -296,6 +304,52 @@ def image_figures(
                 )
                 report.add(
                     Figure(f"{n} {kind}, {layout}, CPU time", base_name, spent[base], spent[key])
+                )
+
+
+# A round of the per-size figures processes about this many input pixels (a small image
+# repeated), so that a 224x224 round is not a few microseconds' noise.
+SIZE_ROUND_PIXELS = 4_000_000
+
+
+def size_figures(
+    report: Report, datas: list[bytes], cfg, rounds: int, worker: TorchvisionWorker | None
+) -> None:
+    """Per image size, decoded PIL images: mmferry (hf and compact-u8) against transformers'
+    PIL processor and (with `worker`) its torchvision one, interleaved rounds per size. Each
+    figure's `at` holds the size, for the chart of ratio against image size."""
+    proc = _pil_processor(cfg)
+    pils = [load_pil(d) for d in datas]
+    for i, im in enumerate(pils):
+        w, h = im.size
+        repeat = max(1, SIZE_ROUND_PIXELS // (w * h))
+        runners: dict[str, Callable[[], float]] = {
+            "pil": timed(
+                lambda im=im, n=repeat: [proc(images=[im], return_tensors="pt") for _ in range(n)]
+            ),
+            "hf": timed(lambda im=im, n=repeat: [process_image(im, cfg) for _ in range(n)]),
+            "cu": timed(
+                lambda im=im, n=repeat: [
+                    process_image(im, cfg, layout="compact-u8") for _ in range(n)
+                ]
+            ),
+        }
+        if worker is not None:
+            runners["tv"] = lambda i=i, n=repeat: worker.run("pil", items=[i], repeat=n)
+        times = interleave(runners, rounds=rounds)
+        bases = [("transformers PIL processor", "pil")]
+        if worker is not None:
+            bases.append(("transformers torchvision processor", "tv"))
+        for layout, key in (("hf", "hf"), ("compact-u8", "cu")):
+            for base_name, base in bases:
+                report.add(
+                    Figure(
+                        f"{w}x{h} PIL image x{repeat}, {layout}",
+                        base_name,
+                        times[base],
+                        times[key],
+                        at={"pixels": w * h, "size": f"{w}x{h}", "side": f"mmferry {layout}"},
+                    )
                 )
 
 
@@ -627,7 +681,7 @@ def video_figures(report: Report, cfg, rounds: int, quick: bool) -> None:
 # Where `--baseline-venv` puts the torchvision baseline by default; `mmferry bench preprocess`
 # uses it when it exists (create it once with `python -m mmferry.bench.preprocess --baseline-venv`).
 DEFAULT_BASELINE_VENV = Path(__file__).resolve().parents[2] / ".bench-venv"
-PARTS = ("images", "stages", "distinct", "floor", "threads", "video")
+PARTS = ("images", "stages", "sizes", "distinct", "floor", "threads", "video")
 
 
 def run(report: Report, quick: bool) -> None:
@@ -644,7 +698,7 @@ def measure(report: Report, *, quick: bool, rounds: int, baseline_venv: Path | N
     datas = make_images(quick)
     with tempfile.TemporaryDirectory() as tmp:
         worker = None
-        if baseline_venv is not None and ("images" in parts or "stages" in parts):
+        if baseline_venv is not None and {"images", "stages", "sizes"} & set(parts):
             ensure_baseline_venv(baseline_venv)
             files = []
             for i, d in enumerate(datas):
@@ -659,6 +713,11 @@ def measure(report: Report, *, quick: bool, rounds: int, baseline_venv: Path | N
             if "stages" in parts:
                 report.section("stages")
                 stage_figures(report, datas, cfg, rounds, worker)
+            if "sizes" in parts:
+                report.section("image sizes")
+                if "images" not in parts:
+                    check_images(datas, cfg, worker, tmp)
+                size_figures(report, datas, cfg, rounds, worker)
         finally:
             if worker is not None:
                 worker.close()
