@@ -186,7 +186,7 @@ class _NoBar:
 
 def progress(total: int, unit: str, stream: Any = None) -> Any:
     """A tqdm bar on stderr while a benchmark runs, only when stderr is a terminal (a log or a
-    pipe gets nothing) and tqdm is installed (it comes with transformers); else a no-op."""
+    pipe gets nothing) and tqdm is installed (a dependency of mmferry); else a no-op."""
     import sys
 
     stream = sys.stderr if stream is None else stream

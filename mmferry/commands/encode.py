@@ -93,31 +93,30 @@ def _expand(path: Path, raw: str) -> tuple[list[Path], str]:
 
 
 class Progress:
-    """A one-line progress bar on a terminal (items/s, tokens/s); silent otherwise."""
+    """tqdm's bar on stderr while inputs are encoded (items, items/s, tokens/s), only when
+    stderr is a terminal: a pipe or a log gets nothing, so the lines around it are the whole
+    output there."""
 
     def __init__(self, total: int, stream: TextIO | None = None) -> None:
-        self.total = total
         self.stream = sys.stderr if stream is None else stream  # the one in place now
-        self.tty = self.stream.isatty()
         self.t0 = time.perf_counter()
-        self.done = self.tokens = 0
+        self.tokens = 0
+        self.bar = None
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="item", file=self.stream, dynamic_ncols=True)
 
     def update(self, items: int, tokens: int) -> None:
-        self.done += items
         self.tokens += tokens
-        if self.tty:
+        if self.bar is not None:
             dt = max(time.perf_counter() - self.t0, 1e-9)
-            width = 24
-            fill = width * self.done // max(self.total, 1)
-            self.stream.write(
-                f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
-                f"{self.done / dt:.1f} items/s {self.tokens / dt:.0f} tokens/s"
-            )
-            self.stream.flush()
+            self.bar.set_postfix_str(f"{self.tokens / dt:.0f} tokens/s", refresh=False)
+            self.bar.update(items)
 
     def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _batches(items: list, budget: int) -> Iterator[list]:
