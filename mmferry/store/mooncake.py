@@ -6,7 +6,10 @@ client's transfer engine advertises; default: the local address that routes to t
 `local_mib` (the client's registered staging buffer: an entry larger than it is not published;
 default 256), `retry_s` (after a store error, the store is left alone this long; default 5),
 `lookup_s` (`serve --store`: the longest a request waits on the store's lookup before it
-encodes its items itself; default 1; a store cut off mid-call does not answer, or fail, at all).
+encodes its items itself; default 1; a store cut off mid-call does not answer, or fail, at all),
+`publish_s` (`serve --store`: the longest a publication may be out before the next ones are
+skipped rather than queued behind it, and the longest a drain waits for the publications still
+queued; default 5).
 
 Mooncake's own semantics used here: a `put` is readable only once complete (a reader never sees
 half an object), a `put` to an existing key keeps the old value (`upsert` replaces it), and
@@ -60,6 +63,7 @@ class StoreAddress:
     local_bytes: int = 256 << 20
     retry_s: float = 5.0
     lookup_s: float = 1.0
+    publish_s: float = 5.0
 
     @classmethod
     def parse(cls, url: str) -> StoreAddress:
@@ -69,7 +73,7 @@ class StoreAddress:
                 f"a store address is mooncake://MASTER_HOST:PORT?metadata=URL, got {url!r}"
             )
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
-        known = {"metadata", "protocol", "host", "local_mib", "retry_s", "lookup_s"}
+        known = {"metadata", "protocol", "host", "local_mib", "retry_s", "lookup_s", "publish_s"}
         unknown = sorted(set(query) - known)
         if unknown:
             raise ValueError(f"unknown store parameter(s) {', '.join(unknown)} in {url!r}")
@@ -81,13 +85,15 @@ class StoreAddress:
             local = int(query.get("local_mib", 256)) << 20
             retry = float(query.get("retry_s", 5.0))
             lookup = float(query.get("lookup_s", 1.0))
+            publish = float(query.get("publish_s", 5.0))
         except ValueError:
             raise ValueError(
-                f"local_mib, retry_s and lookup_s must be numbers in {url!r}"
+                f"local_mib, retry_s, lookup_s and publish_s must be numbers in {url!r}"
             ) from None
-        if local <= 0 or retry < 0 or not lookup > 0:
+        if local <= 0 or retry < 0 or not lookup > 0 or not publish > 0:
             raise ValueError(
-                f"local_mib and lookup_s must be positive and retry_s not negative in {url!r}"
+                "local_mib, lookup_s and publish_s must be positive and retry_s not negative "
+                f"in {url!r}"
             )
         return cls(
             master=f"{parts.hostname}:{parts.port}",
@@ -97,6 +103,7 @@ class StoreAddress:
             local_bytes=local,
             retry_s=retry,
             lookup_s=lookup,
+            publish_s=publish,
         )
 
     def local_host(self) -> str:

@@ -3,11 +3,13 @@
 Before an item is queued for the encoder, its entry is looked for in the store (on a thread of
 its own, never the event loop; the request waits at most the address's `lookup_s`, and while a
 lookup older than that is still running, none) and, when found and checked, put in the local
-cache, so the
-batcher answers it without an encoder call; every item this service encodes is published after
-its request is answered (on another thread, off the request's path). The store is only ever a
-shortcut: a store that is down, full or holding a bad entry leaves the service as it is without
-one (local cache, local encode, rows over HTTP), counts it, and logs the change once.
+cache, so the batcher answers it without an encoder call; every item this service encodes is
+published after its request is answered (on another thread, off the request's path; while a
+publication older than the address's `publish_s` is still out, later ones are skipped, and a
+drain waits at most `publish_s` for those still queued, so a store cut off never holds the
+process). The store is only ever a shortcut: a store that is down, full or holding a bad entry
+leaves the service as it is without one (local cache, local encode, rows over HTTP), counts it,
+and logs the change once.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmferry.encoder.model import VisionOutput
 from mmferry.store.entry import EntryError, ModelIdentity, entry_key, entry_parts, read_entry
 from mmferry.store.mooncake import MooncakeStore, StoreAddress, StoreError, import_mooncake
+from mmferry.store.worker import Worker
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -100,9 +102,11 @@ class SharedStore:
         self._connect_pending = False
         self._publishing = 0
         self._reading_since: float | None = None  # when the lookup running now began
-        # One thread reads, one publishes: a slow publish never holds up a lookup.
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="mmferry-store-get")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="mmferry-store-put")
+        self._writing_since: float | None = None  # when the publication running now began
+        # One thread reads, one publishes: a slow publish never holds up a lookup. Daemon
+        # threads: a call the store never answers must not keep the process from exiting.
+        self._reader = Worker("mmferry-store-get")
+        self._writer = Worker("mmferry-store-put")
         self._connect_soon()  # in the background, while the service starts
 
     def __repr__(self) -> str:
@@ -266,6 +270,7 @@ class SharedStore:
         key = self.key(item_hash)
         with self._lock:
             replace = key in self._replace
+            self._writing_since = time.monotonic()
         try:
             parts = entry_parts(key, self.identity, out.embeds, out.deepstack)
             size = self._client().put(key, parts, replace=replace)
@@ -283,6 +288,7 @@ class SharedStore:
         finally:
             with self._lock:
                 self._publishing -= 1
+                self._writing_since = None
 
     def publish(self, items: Sequence[MultimodalItem], outs: Sequence[VisionOutput]) -> None:
         """Queue the entries of the items not known to be in the store."""
@@ -290,18 +296,49 @@ class SharedStore:
             if not self._remember(it.hash):
                 continue
             with self._lock:
-                full = self._publishing >= MAX_PUBLISHING
-                if not full:
+                writing = self._writing_since
+                # NOTE: a publication out past publish_s is one a store cut off holds: the
+                # next ones are skipped, not queued behind it for minutes.
+                stuck = writing is not None and time.monotonic() - writing > self._publish_s
+                skip = stuck or self._publishing >= MAX_PUBLISHING
+                if not skip:
                     self._publishing += 1
-            if full:
+            if skip:
                 self.metrics.publish_failures.inc()
                 self._forget(it.hash)
                 continue
-            self._writer.submit(self._put, it.hash, out)
+            try:
+                self._writer.submit(self._put, it.hash, out)
+            except RuntimeError:  # closed: the service is stopping
+                with self._lock:
+                    self._publishing -= 1
+                self.metrics.publish_failures.inc()
+
+    @property
+    def _publish_s(self) -> float:
+        return self.address.publish_s
 
     def close(self) -> None:
-        """Finish the queued publications, then disconnect."""
-        self._reader.shutdown(wait=True, cancel_futures=True)
-        self._writer.shutdown(wait=True)
+        """Finish the queued publications within `publish_s`, then disconnect. Publications
+        not finished by then are dropped (counted as failures); while a call is still out
+        in the store, the client is left open (its close would wait on the store too)."""
+        deadline = time.monotonic() + self._publish_s
+        reader_done = self._reader.shutdown(wait=False, cancel_futures=True)
+        writer_done = self._writer.shutdown(timeout=self._publish_s)
+        if not writer_done:
+            dropped = self._writer.cancel_pending()
+            self.metrics.publish_failures.inc(dropped)
+        reader_done = self._reader.shutdown(timeout=max(deadline - time.monotonic(), 0.0))
+        if not (reader_done and writer_done):
+            with self._lock:
+                left = self._publishing
+            log.warning(
+                "mmferry store: the Mooncake store at %s did not finish within publish_s "
+                "(%g s); %d publication(s) dropped, the client left open",
+                self.address.master,
+                self._publish_s,
+                left,
+            )
+            return
         if self._store is not None:
             self._store.close()

@@ -7,6 +7,8 @@ neither encoder freezes."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import threading
 import time
 
@@ -14,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from mmferry.server.client import EncoderClient, image_part
+from mmferry.server.client import EncodeError, EncoderClient, image_part
 from tests.cluster import mooncake, stack
 from tests.server.conftest import png
 from tests.store import cluster as local
@@ -159,3 +161,68 @@ def test_store_link_down_costs_no_request(pool):
         assert time.monotonic() < deadline, "E2 never read from the store again"
         encode(urls["e2"], seed)
         time.sleep(1)
+
+
+DRAIN_S = 3.0  # the drained service's --drain-timeout
+PUBLISH_S = 5.0  # the store address's default publish_s (mmferry.store.mooncake)
+# Mooncake's client as the process exits, S cut: three calls to the HTTP metadata server on S,
+# each given up after 1.5 s (its own curl timeout).
+TEARDOWN_S = 4.5
+# SIGTERM to exit: the drain (at most DRAIN_S), the publications still out (at most
+# PUBLISH_S), Mooncake's teardown, and stopping the service and Python (3 s on shared cores).
+EXIT_BOUND_S = DRAIN_S + PUBLISH_S + TEARDOWN_S + 3.0
+
+
+def test_sigterm_with_the_store_cut_off_exits_in_time(pool):
+    """`serve --store` drained by SIGTERM while S is cut and publications are pending exits
+    within its bound, answers (or cleanly refuses) the requests it had, and leaves no shared
+    memory behind."""
+    net, store, _ = pool
+    s, e1 = net["s"], net["e1"]
+    before = net.shm_entries()["e1"]
+    args = ["-m", "mmferry", "serve", "--host", e1.addr, "--port", "0", "--shm-mib", "16"]
+    args += ["--preprocess-threads", "1", *ARGS, "--store", store.url]
+    args += ["--drain-timeout", str(DRAIN_S)]
+    url = stack.start(net, e1, "serve-e1-drain", args, extra_env=mooncake.env(e1))
+    proc = e1.procs[-1]
+    assert net.shm_entries()["e1"] != before, "the service's arena is in E1's /dev/shm"
+    encode(url, seed=7000)
+    wait_for(lambda: metric(url, "mmferry_store_published") >= 1, "a publication before the cut")
+    results: list[str] = []
+
+    def request(seed: int) -> None:
+        try:
+            encode(url, seed, timeout=60)
+            results.append("ok")
+        except EncodeError as e:  # an answer: the drain's 503 is a clean refusal
+            results.append("ok" if e.status == 200 else f"refused {e.status}")
+        except Exception as e:  # noqa: BLE001 - a cut connection, asserted below
+            results.append(f"{type(e).__name__}: {e}")
+
+    s.down()
+    try:
+        for seed in range(7001, 7004):  # each answered; its publication waits on S
+            encode(url, seed)
+        published = metric(url, "mmferry_store_published")
+        threads = [threading.Thread(target=request, args=(n,)) for n in (7100, 7101)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # both requests admitted
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=EXIT_BOUND_S + 60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        took = time.monotonic() - signalled
+        for t in threads:
+            t.join(60)
+    finally:
+        s.up()
+    print(f"\nSIGTERM with S cut: exit {proc.returncode} after {took:.1f} s; requests {results}")
+    assert published == 1, "a publication went through while S was cut"
+    assert took < EXIT_BOUND_S, f"exited {took:.1f} s after SIGTERM (bound {EXIT_BOUND_S} s)"
+    assert proc.returncode == 0
+    assert len(results) == 2 and all(r == "ok" or r == "refused 503" for r in results), results
+    assert net.shm_entries()["e1"] == before, "the service left shared memory on E1"

@@ -27,6 +27,10 @@ def test_address_parsing():
         1.0,
         0.25,
     )
+    assert (a.publish_s, StoreAddress.parse("mooncake://m:1?metadata=x&publish_s=2").publish_s) == (
+        5.0,
+        2.0,
+    )
     for bad, why in [
         ("redis://m:1?metadata=x", "mooncake://"),
         ("mooncake://m?metadata=x", "mooncake://"),
@@ -36,6 +40,8 @@ def test_address_parsing():
         ("mooncake://m:1?metadata=x&local_mib=0", "positive"),
         ("mooncake://m:1?metadata=x&lookup_s=0", "positive"),
         ("mooncake://m:1?metadata=x&lookup_s=soon", "numbers"),
+        ("mooncake://m:1?metadata=x&publish_s=0", "positive"),
+        ("mooncake://m:1?metadata=x&publish_s=later", "numbers"),
     ]:
         with pytest.raises(ValueError, match=why):
             StoreAddress.parse(bad)
