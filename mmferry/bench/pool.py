@@ -25,7 +25,8 @@ Goals: hash routing's hit rate within 5 % of one big cache; imbalance at most 1.
 encoders. Each is printed as met or not, never asserted (a model, not a test).
 
 Run: mmferry bench pool [--quick] or python -m mmferry.bench.pool [--quick] [--zipf S]
-[--requests N] [--images N] [--cache N] [--inflight N] [--epsilon E] [--sizes 4,8,...]
+[--requests N] [--images N] [--cache N] [--inflight N] [--epsilon E] [--hot-share H]
+[--sizes 4,8,...]
 [--json FILE] [--plot FILE.png]
 """
 
@@ -43,7 +44,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from mmferry.routing import Router
+from mmferry.routing import EPSILON, HOT_SHARE, Router
 
 SIZES = (4, 8, 16, 32, 64, 128, 256)
 TOP = 16  # choices kept per key; see `_hash_placement`
@@ -100,16 +101,19 @@ def _served(stream: Sequence[str], place: Callable[[int, str], int], n: int, cac
     return hits / len(stream), max(load) / (len(stream) / n), max(misses) / (sum(misses) / n)
 
 
-def _hash_placement(urls: list[str], stream: Sequence[str], inflight: int, epsilon: float):
+def _hash_placement(
+    urls: list[str], stream: Sequence[str], inflight: int, epsilon: float, hot_share: float
+):
     """The real Router placing the stream with `inflight` requests per encoder in flight.
 
     NOTE: `Router.choices` ranks all n encoders per call (n hashes); it is computed once per
     distinct key and its first TOP kept, then handed to the router in place of its own (the
-    same list, cut). Where `route` finds all TOP choices over the bound (a hot key), the
-    key's whole ranking replaces the cut one and it is routed again, so every placement is
-    the one the Router makes with its own list.
+    same list, cut). Where the cut list could have changed the answer (a hot key that may go
+    further down its list than TOP, or an answer over the bound: every choice in it loaded),
+    the key's whole ranking replaces the cut one and the router looks again (not counted as
+    another request), so every placement is the one the Router makes with its own list.
     """
-    router = Router(urls, epsilon=epsilon)
+    router = Router(urls, epsilon=epsilon, hot_share=hot_share)
     ranked = {k: Router.choices(router, k)[:TOP] for k in dict.fromkeys(stream)}
     router.choices = ranked.__getitem__  # type: ignore[method-assign]
     index = {u: i for i, u in enumerate(urls)}
@@ -123,9 +127,13 @@ def _hash_placement(urls: list[str], stream: Sequence[str], inflight: int, epsil
             router.release(old)
         url = router.route(key)
         assert url is not None  # none is ever marked down here
-        if router.encoders[url].in_flight >= router.capacity() and len(ranked[key]) < len(urls):
+        cut = len(ranked[key]) < len(urls)
+        if cut and (
+            router.spread(key) > len(ranked[key])
+            or router.encoders[url].in_flight >= router.capacity()
+        ):
             ranked[key] = Router.choices(router, key)
-            url = router.route(key)
+            url = router.route(key, count=False)
             assert url is not None
         if router.encoders[url].in_flight >= router.capacity():
             over += 1  # the Router's own rule when every encoder is loaded: the first choice
@@ -150,10 +158,16 @@ def _mod(key: str, n: int) -> int:
 
 
 def model(
-    stream: Sequence[str], n: int, cache: int, inflight: int, epsilon: float, seed: int
+    stream: Sequence[str],
+    n: int,
+    cache: int,
+    inflight: int,
+    epsilon: float,
+    seed: int,
+    hot_share: float = HOT_SHARE,
 ) -> list[Row]:
     urls = [f"http://encoder-{i}:8000" for i in range(n)]
-    placed, ranked, over = _hash_placement(urls, stream, inflight, epsilon)
+    placed, ranked, over = _hash_placement(urls, stream, inflight, epsilon, hot_share)
     if over:
         print(f"  {n} encoders: {over} placements over the bound (every encoder loaded)")
     rows = []
@@ -251,7 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zipf", type=float, default=1.0, help="the popularity exponent (1.0)")
     p.add_argument("--cache", type=int, default=1000, help="items each encoder caches (1000)")
     p.add_argument("--inflight", type=int, default=4, help="requests in flight per encoder (4)")
-    p.add_argument("--epsilon", type=float, default=0.25, help="the router's load bound (0.25)")
+    p.add_argument(
+        "--epsilon", type=float, default=EPSILON, help=f"the router's load bound ({EPSILON})"
+    )
+    p.add_argument(
+        "--hot-share",
+        type=float,
+        default=HOT_SHARE,
+        help=f"the router's hot keys: share x n of the requests ({HOT_SHARE}; 0: none)",
+    )
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="pool sizes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="every row, as JSON")
@@ -265,14 +287,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     title = (
         f"{requests:,} requests, {images:,} images, Zipf {a.zipf}, {a.cache} items per "
-        f"encoder, {a.inflight} in flight per encoder, epsilon {a.epsilon}, seed {a.seed}"
+        f"encoder, {a.inflight} in flight per encoder, epsilon {a.epsilon}, hot share "
+        f"{a.hot_share}, seed {a.seed}"
     )
     print(title, flush=True)
     stream = zipf_stream(requests, images, a.zipf, a.seed)
     rows: list[Row] = []
     for n in sizes:
         t = time.monotonic()
-        rows += model(stream, n, a.cache, a.inflight, a.epsilon, a.seed)
+        rows += model(stream, n, a.cache, a.inflight, a.epsilon, a.seed, a.hot_share)
         print(f"  {n} encoders: {time.monotonic() - t:.0f} s", flush=True)
     print(table(rows))
     print("\n".join(goals(rows)))
