@@ -3,9 +3,11 @@
 Requests for images drawn from a Zipf population (10^6 requests over 10^5 distinct images by
 default, exponent `--zipf`) go to a pool of 4 to 256 simulated encoders, each an LRU cache of
 `--cache` items (no shared store). Placements, side by side on the same request stream:
-- hash: `mmferry.routing.Router` as `mmferry proxy` runs it, rendezvous hashing with bounded
-  load: requests are in flight `--inflight` per encoder on average (the oldest one answered as a
-  new one is placed: every encode takes equally long), acquired and released on the router;
+- hash: `mmferry.routing.Router` with its defaults (`--epsilon`, `--hot-share`): rendezvous
+  hashing, hot keys spread over their first choices, bounded load: requests are in flight
+  `--inflight` per encoder on average (the oldest one answered as a new one is placed: every
+  encode takes equally long), acquired and released on the router (`mmferry proxy` passes its
+  own `--epsilon`);
 - hash, no bound: the key's first choice always (rendezvous hashing alone);
 - round-robin and random: what vLLM's and SGLang's fronts do with several encoders;
 - one big cache: a single LRU of the pool's total size, the bound hash routing is held to.
@@ -16,9 +18,10 @@ modulo placement would move, beside it; round-robin and random keep no key on an
 nothing of theirs can move: every repeat already lands anywhere).
 
 The model leaves out encode times, a shared store (`serve --store`, which turns every miss an
-encoder can read from it into a hit) and failures. Pure CPU: about 25 minutes at the full size
-on one core (the 256-encoder pool most of it: the Router's bound sums every encoder's load at
-each placement), about a minute with --quick (10^5 requests, 10^4 images). No timing is
+encoder can read from it into a hit) and failures. Pure CPU, one thread: 7 to 8 minutes at the
+full size on a busy 2-core machine (the 128- and 256-encoder pools most of it: a hot key there
+may go to any of its first 150 choices, each looked at), under 20 s with --quick (10^5
+requests, 10^4 images). No timing is
 measured, so nothing here is interleaved or repeated: the stream is seeded, the figures exact.
 
 Goals: hash routing's hit rate within 5 % of one big cache; imbalance at most 1.1 at 64
@@ -26,8 +29,7 @@ encoders. Each is printed as met or not, never asserted (a model, not a test).
 
 Run: mmferry bench pool [--quick] or python -m mmferry.bench.pool [--quick] [--zipf S]
 [--requests N] [--images N] [--cache N] [--inflight N] [--epsilon E] [--hot-share H]
-[--sizes 4,8,...]
-[--json FILE] [--plot FILE.png]
+[--sizes 4,8,...] [--json FILE] [--plot FILE.png]
 """
 
 from __future__ import annotations
