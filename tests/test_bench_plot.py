@@ -80,6 +80,17 @@ def test_a_concurrency_sweep_gives_the_capacity_chart(tmp_path):
                     at={"concurrency": c, "side": side},
                 )
             )
+        report.add(  # side against side: no second floor
+            harness.Figure(
+                f"requests/s, float32, all distinct, concurrency {c}",
+                f"transformers float32, concurrency {c}",
+                [5.0] * 5,
+                [8.0] * 5,
+                unit="req/s",
+                higher_is_better=True,
+                at={"concurrency": c, "side": "mmferry float32"},
+            )
+        )
     report.dump_json(tmp_path / "c.json")
     r = _plot(tmp_path, tmp_path / "c.json")
     assert r.returncode == 0, r.stderr

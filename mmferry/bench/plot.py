@@ -104,7 +104,9 @@ def sweep_chart(title: str, figures: list[dict[str, Any]], path: Path) -> Path:
     floors: dict[str, list[float]] = {}
     for f in points:
         sides.setdefault(f["at"]["side"], {})[int(f["at"]["concurrency"])] = f["ours"]
-        if f["base_name"] not in sides:  # a floor, not a side compared with another side
+    for f in points:
+        # A floor, not a side compared with another side ("transformers float32, concurrency 4").
+        if not any(f["base_name"].startswith(side) for side in sides):
             floors.setdefault(f["base_name"], f["base"])
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for side, per in sides.items():
