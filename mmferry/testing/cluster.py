@@ -13,7 +13,10 @@ over it inside the host's mount namespace), as separate machines do: shared memo
 carry anything between hosts, and what a host's processes leave there is counted as theirs.
 
 Every name (namespaces, links, the shm folders) carries the run's id, `Net.leftovers()` lists
-what of the run remains, and `Net.stop()` ends the run's processes and deletes all of it.
+what of the run remains, and `Net.stop()` ends the run's processes and deletes all of it. A
+service that outlives its clients' traces (a Mooncake master, which lists the segments its
+clients mounted) is asked at `stop()` what it still holds of the run once every other process
+has ended (`Net.check_before_stop`); what it answers is a leftover too.
 Root and the kernel's namespaces are needed; `unavailable()` says why not when they are not.
 """
 
@@ -27,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -220,6 +224,8 @@ class Net:
         self.hosts: dict[str, Host] = {}
         self.subnet: ipaddress.IPv4Network | None = None
         self.root_addr = ""
+        self._checks: list[tuple[Callable[[], list[str]], list[subprocess.Popen]]] = []
+        self._held: list[str] = []  # what the checks found
 
     def __getitem__(self, name: str) -> Host:
         return self.hosts[name]
@@ -259,21 +265,39 @@ class Net:
             _ip("-n", ns, "link", "set", inner, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
 
-    def stop(self) -> None:
-        """End every process of the run (TERM, then KILL after 10 s) and delete its namespaces,
-        links and shm folders."""
-        for host in self.hosts.values():
-            for proc in host.procs:
-                if proc.poll() is None:
-                    _signal(proc.pid, signal.SIGTERM)
+    def check_before_stop(
+        self, check: Callable[[], list[str]], keep: list[subprocess.Popen]
+    ) -> None:
+        """At `stop()`, once every process of the run but `keep` has ended, call `check`: what
+        it returns (what the processes in `keep` still hold of the run) `leftovers()` reports."""
+        self._checks.append((check, keep))
+
+    def _end(self, spare: list[subprocess.Popen]) -> None:
+        """End the run's processes but `spare` (TERM, then KILL after 10 s)."""
+        procs = [p for h in self.hosts.values() for p in h.procs if p not in spare]
+        for proc in procs:
+            if proc.poll() is None:
+                _signal(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _signal(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        """End every process of the run (TERM, then KILL after 10 s), the ones a check keeps
+        last, and delete its namespaces, links and shm folders."""
+        for check, keep in self._checks:
+            self._end(spare=keep)
+            try:
+                self._held += check()
+            except Exception as e:  # noqa: BLE001 - reported as a leftover, the run still ends
+                self._held.append(f"check {check!r} failed: {type(e).__name__}: {e}")
+        self._checks = []
+        self._end(spare=[])
         for host in self.hosts.values():
-            for proc in host.procs:
-                try:
-                    proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-                except subprocess.TimeoutExpired:
-                    _signal(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=10)
             # Children that outlived their parent, still in the namespace: all of the run's.
             for pid in host.pids():
                 _kill_pid(pid)
@@ -285,7 +309,7 @@ class Net:
 
     def leftovers(self) -> list[str]:
         """What of the run remains: namespaces, links, live processes, shm folders or files."""
-        found = []
+        found = list(self._held)
         for ns in _ip("netns", "list").stdout.split("\n"):
             if ns.startswith(self.run_id):
                 found.append(f"namespace {ns.split()[0]}")

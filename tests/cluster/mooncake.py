@@ -1,6 +1,13 @@
 """A Mooncake master (with its HTTP metadata server) and a holder lending the store its memory,
 both on host S's address, and the environment a process on another host needs to use them
-(Mooncake's own transfer engine binds the host's address, never loopback)."""
+(Mooncake's own transfer engine binds the host's address, never loopback).
+
+The master's admin port answers which segments are mounted (`/get_all_segments`: the holder's;
+a client lending no memory, as `serve --store` and vLLM's connector, mounts none) and which keys
+it holds (`/get_all_keys`). At the run's end, once every other process has ended, the master is
+asked until neither lists anything of the run: a holder that ended without unmounting (killed,
+as here) is dropped by the master after `CLIENT_TTL_S` without a heartbeat, its keys with it;
+one still alive somewhere (a process that outlived its run) would keep its segment listed."""
 
 from __future__ import annotations
 
@@ -8,10 +15,13 @@ import socket
 import time
 from dataclasses import dataclass
 
+import httpx
+
 from mmferry.testing.cluster import Host, Net
 from tests.store import cluster as local
 
 RPC, HTTP, METRICS, HOLDER = 50051, 8080, 9003, 17812
+CLIENT_TTL_S = 10  # the master drops a client (and its segments) silent this long
 
 
 def env(host: Host) -> dict[str, str]:
@@ -44,6 +54,30 @@ class Store:
     def metadata(self) -> str:
         return f"http://{self.host.addr}:{HTTP}/metadata"
 
+    def _admin(self, path: str) -> list[str]:
+        r = httpx.get(f"http://{self.host.addr}:{METRICS}/{path}", timeout=5)
+        r.raise_for_status()
+        return r.text.split()
+
+    def segments(self) -> list[str]:
+        """The segments mounted in the store now, as its master lists them."""
+        return self._admin("get_all_segments")
+
+    def keys(self) -> list[str]:
+        """The keys in the store now, as its master lists them."""
+        return self._admin("get_all_keys")
+
+    def held(self, timeout: float = CLIENT_TTL_S + 10) -> list[str]:
+        """Once the run's other processes have ended: the segments and keys the master still
+        lists after `timeout` (none, unless a holder of the run lives on)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = [f"Mooncake segment {s}" for s in self.segments()]
+            left += [f"Mooncake key {k}" for k in self.keys()]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.5)
+
     def start(self, net: Net) -> Store:
         h = self.host
         full = {**local.env(), "MC_TCP_BIND_ADDRESS": h.addr, "PATH": "/usr/bin:/bin"}
@@ -58,6 +92,7 @@ class Store:
                 f"--http_metadata_server_port={HTTP}",
                 f"--metrics_port={METRICS}",
                 f"--metrics_host={h.addr}",
+                f"--client_ttl={CLIENT_TTL_S}",
             ],
             env=full,
             log=log,
@@ -79,4 +114,11 @@ class Store:
             log=log,
         )
         _wait(h, HOLDER, holder, log)
+        # The holder's segment listed: the master's answer at the end is worth something.
+        deadline = time.monotonic() + 30
+        while not any(s.startswith(f"{h.addr}:") for s in self.segments()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the master lists no segment of {h.addr}: {self.segments()}")
+            time.sleep(0.2)
+        net.check_before_stop(self.held, keep=[master])
         return self

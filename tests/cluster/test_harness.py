@@ -123,3 +123,22 @@ def test_a_cut_between_two_hosts_leaves_the_others(net):
     finally:
         b.heal_from(a)
     assert send(net, "b", a.addr, 10)[0] == "ok"
+
+
+def test_a_check_before_stop_sees_the_others_ended_and_reports_what_is_held(netns, tmp_path):
+    net = cluster.Net(["x"], tmp_path).start()
+    try:
+        x = net["x"]
+        kept = x.popen(["sleep", "300"], log=tmp_path / "kept.log")
+        other = x.popen(["sleep", "300"], log=tmp_path / "other.log")
+        seen: list[tuple[int | None, int | None]] = []
+
+        def check() -> list[str]:
+            seen.append((other.poll(), kept.poll()))
+            return ["segment of the run"]
+
+        net.check_before_stop(check, keep=[kept])
+    finally:
+        net.stop()
+    assert seen[0][0] is not None and seen[0][1] is None  # the other ended, the kept one not
+    assert net.leftovers() == ["segment of the run"] and kept.poll() is not None
