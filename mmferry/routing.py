@@ -50,7 +50,7 @@ __all__ = ["EncoderState", "Router", "item_name", "parse_item_name"]
 
 # The Router's defaults (`mmferry bench pool` models them): see the class.
 EPSILON = 1.0
-HOT_SHARE = 0.1
+HOT_SHARE = 0.05
 # A key is hot once its decayed request count reaches this (fewer say nothing of its rate).
 HOT_MIN = 32.0
 # A hot key with `share` of the requests may use its first ceil(SPREAD x share x n) + 1 choices:
