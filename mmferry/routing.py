@@ -22,9 +22,9 @@ On top of that ranking:
   encoder that has fallen behind (slow, stuck), not the balance: hence epsilon 1.0 by default.
   At a few items in flight an encoder, arrivals alone often cross a bound of 1.25 x the mean
   (4 in flight: the bound is 5), and every cold key spilled is a miss: in `mmferry bench
-  pool`'s model (64 encoders, 4 in flight, Zipf 1.0) 28 % of the items of keys outside the
-  hottest 100 left their first choice at epsilon 0.25 (45 % without hot keys spread), 0.7 %
-  at 1.0;
+  pool`'s model (64 encoders, 4 in flight, Zipf 1.0 over 10^4 images) 27.5 % of the items of
+  keys outside the hottest 1000 left their first choice at epsilon 0.25 (45 % without hot
+  keys spread), 0.6 % at 1.0;
 - down marking: an encoder that failed is skipped until its next probe is due; each failed
   probe doubles the wait (up to `max_backoff_s`), a passed one brings it back. An encoder that
   said how long to leave it alone (a 429's Retry-After) is not probed before then.
