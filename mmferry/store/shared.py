@@ -245,7 +245,11 @@ class SharedStore:
                 with self._lock:
                     self._connect_pending = False
 
-        self._writer.submit(connect)
+        try:
+            self._writer.submit(connect)
+        except RuntimeError:  # closed: the service is stopping, nothing to connect for
+            with self._lock:
+                self._connect_pending = False
 
     # -- publication --------------------------------------------------------------------
 
