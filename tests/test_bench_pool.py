@@ -75,3 +75,13 @@ def test_command_line(tmp_path):
         timeout=300,
     )
     assert bad.returncode == 2 and "exactly one benchmark" in bad.stderr
+
+
+def test_the_routers_defaults_beat_bounded_load_alone():
+    # Hot keys spread (the Router's defaults) against bounded load alone (hot_share 0 and the
+    # old epsilon 0.25): more hits, and the load more even, on the same stream.
+    stream = pool.zipf_stream(3000, 400, 1.1, seed=1)
+    old = {r.placement: r for r in pool.model(stream, 8, 20, 2, 0.25, seed=1, hot_share=0)}
+    new = {r.placement: r for r in pool.model(stream, 8, 20, 2, pool.EPSILON, seed=1)}
+    assert new["hash"].hit_rate > old["hash"].hit_rate + 0.03
+    assert new["hash"].imbalance < 1.1 < old["hash"].imbalance
