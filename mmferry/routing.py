@@ -278,6 +278,11 @@ class Router:
         """`url` answered (a call or a probe): route to it again."""
         e = self.encoders[url]
         if e.down:
+            # NOTE: it comes back at the mean of recent placements at least, not with the
+            # deficit its time down left: hot keys would fill that deficit at once, on an
+            # encoder just restarted (its cache empty).
+            if self._up:
+                e.placed = max(e.placed, self._up_placed / self._up)
             self._up += 1
             self._up_in_flight += e.in_flight
             self._up_placed += e.placed

@@ -234,6 +234,20 @@ def test_an_encoder_leaving_moves_only_its_own_keys():
             assert _up_choices(r, k).index(u) < n, (k, u, n)
 
 
+def test_an_encoder_back_up_takes_its_share_not_a_rush():
+    r = Router(POOL)
+    _place(r, _stream(10_000, seed=7), inflight=4)
+    back = r.choices(HOTS[0])[0]
+    r.mark_down(back)
+    _place(r, _stream(10_000, seed=8), inflight=4)
+    r.mark_up(back)
+    stream = _stream(1600, seed=9)
+    placed = _place(r, stream, inflight=4)
+    # Not the hot keys' placements it missed while down, all at once on an empty cache (1.65
+    # times its share when it came back with that deficit).
+    assert Counter(placed)[back] / (len(stream) / len(POOL)) < 1.25
+
+
 def test_hot_share_zero_is_rendezvous_with_bounded_load_alone():
     r = Router(POOL, hot_share=0)
     _place(r, _stream(4000, seed=5), inflight=4)
