@@ -189,8 +189,12 @@ def from_faceoff(doc: dict[str, Any], out: Path) -> list[Path]:
         work: {key: [r["median_ttft_ms"] for r in rounds] for key, rounds in per.items()}
         for work, per in runs.items()
     }
-    model = Path(str(doc.get("model", "model"))).name or "model"
-    title = f"TTFT p50 per set-up and workload ({model}; median and spread over the rounds)"
+    # "tiny checkpoint, vision tower depth 2, width 32" (or a folder's path before it): the
+    # file is named by its first word, the title carries the whole description.
+    described = str(doc.get("model", "model"))
+    model = (Path(described).name.split(" ")[0] or "model") if described else "model"
+    title = "TTFT p50 per set-up and workload, median and spread over the rounds"
+    title += f"\n{Path(described).name}"
     return [grouped_bars(title, groups, "TTFT p50 (ms)", out / f"faceoff-{model}.png")]
 
 
