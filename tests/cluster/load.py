@@ -7,6 +7,7 @@ import base64
 import io
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -46,10 +47,19 @@ def body(part: dict, n: int) -> dict:
 
 class Load:
     """Requests at `rate` per second to URL, image i % len(parts) for the i-th, each on its own
-    thread (so a stuck one holds up none after it), until `stop()`; `done` has them all."""
+    thread (so a stuck one holds up none after it), until `stop()`; `done` has them all, each
+    with its whole answer. `make(part, n)` builds the n-th body (`body` unless given)."""
 
-    def __init__(self, url: str, parts: list[dict], rate: float, timeout_s: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        parts: list[dict],
+        rate: float,
+        timeout_s: float,
+        make: Callable[[dict, int], dict] = body,
+    ) -> None:
         self.url, self.parts, self.rate, self.timeout_s = url, parts, rate, timeout_s
+        self.make = make
         self.done: list[Done] = []
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -64,10 +74,10 @@ class Load:
         try:
             r = httpx.post(
                 f"{self.url}/v1/chat/completions",
-                json=body(self.parts[i], n),
+                json=self.make(self.parts[i], n),
                 timeout=self.timeout_s,
             )
-            status, text = r.status_code, r.text[:300]
+            status, text = r.status_code, r.text
         except httpx.HTTPError as e:
             status, text = 0, f"{type(e).__name__}: {e}"
         with self._lock:

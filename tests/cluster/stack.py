@@ -3,6 +3,7 @@ and is reached from other hosts (or the test, in the root namespace) over the li
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -78,3 +79,47 @@ def scrape(url: str, name: str) -> float:
             if head.partition("{")[0] == name:
                 total += float(value)
     return total
+
+
+def vllm(net: Net, host: Host, model: Path, connector: dict, timeout_s: float = 600) -> str:
+    """vLLM's OpenAI server inside `host` (on its address only), with `MmferryECConnector`
+    (`connector`: its extra config) and `--enable-mm-embeds`; waits for its /health and returns
+    its URL. Output to WORK/vllm-HOST.log."""
+    from tests.engines import vllm_harness
+    from tests.proxy.procs import TEMPLATE
+    from tests.store import cluster as local
+
+    template = net.work / "template.jinja"
+    template.write_text(TEMPLATE)
+    config = {
+        "ec_connector": "MmferryECConnector",
+        "ec_connector_module_path": "mmferry.engines.vllm_connector",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": connector,
+    }
+    port = 8000
+    cmd = [str(vllm_harness.VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+    cmd += ["--model", str(model), "--host", host.addr, "--port", str(port)]
+    cmd += ["--enable-mm-embeds", "--dtype", "float32", "--enforce-eager", "--seed", "0"]
+    cmd += ["--max-model-len", "2048", "--max-num-seqs", "16", "--chat-template", str(template)]
+    cmd += ["--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1})]
+    cmd += ["--ec-transfer-config", json.dumps(config)]
+    # NOTE: the engine core in its own process, as `vllm serve` runs it, with the model's worker
+    # inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps the CPU backend's uniprocess executor),
+    # as vLLM runs one GPU: the connector's scheduler and worker share what they learn of the
+    # store. A worker process of its own (CPU's default, tensor parallel) learns it apart.
+    env = {**vllm_harness.vllm_env(True), **local.env(), "MC_TCP_BIND_ADDRESS": host.addr}
+    log = net.work / f"vllm-{host.name}.log"
+    proc = host.popen(cmd, env=env, log=log, cwd=net.work)
+    url = f"http://{host.addr}:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"vLLM did not start:\n{log.read_text()[-4000:]}")
