@@ -20,7 +20,7 @@ nothing of theirs can move: every repeat already lands anywhere).
 The model leaves out encode times, a shared store (`serve --store`, which turns every miss an
 encoder can read from it into a hit) and failures. Pure CPU, one thread: 7 to 8 minutes at the
 full size on a busy 2-core machine (the 128- and 256-encoder pools most of it: a hot key there
-may go to any of its first 150 choices, each looked at), under 20 s with --quick (10^5
+may go to any of its first 165 choices, each looked at), under 20 s with --quick (10^5
 requests, 10^4 images). No timing is
 measured, so nothing here is interleaved or repeated: the stream is seeded, the figures exact.
 
