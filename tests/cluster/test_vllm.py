@@ -14,6 +14,7 @@ connector` on P, each on its own network stack (one vLLM start for the module).
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from types import SimpleNamespace
 
@@ -36,8 +37,9 @@ TEXT = {"type": "text", "text": "what ?"}
 # The proxy's deadlines on P: short, so a silent encoder costs seconds (its defaults are longer).
 ENCODER_TIMEOUT_S = 6.0
 CONNECT_TIMEOUT_S = 1.0
-ANSWER_MARGIN_S = 4.0  # one encode of a small image on E2 and vLLM's answer, on 2 CPUs
-RATE = 3.0
+ANSWER_MARGIN_S = 3.0  # one encode of a small image on E2 and vLLM's answer, on 2 CPUs
+NEW_TOKENS = 2
+RATE = 1.5
 IMAGES = 8
 
 
@@ -152,27 +154,34 @@ def test_vllm_on_v_reads_rows_from_s_then_from_e1_when_cut_from_s(site):
 
 def test_e1_link_down_through_the_proxy_loses_no_request(site):
     net, urls = site.net, site.urls
-    side = 4 * site.factor  # 16 tokens an image: no resampling, so vLLM's pixels are ours
+    side = 2 * site.factor  # 4 tokens an image: no resampling, so vLLM's pixels are ours
     parts = [image_part(image(side, side, 100 + i)) for i in range(IMAGES)]
     on_e1 = {
         i for i, p in enumerate(parts) if first_choice([urls["e1"], urls["e2"]], p) == urls["e1"]
     }
     assert 0 < len(on_e1) < IMAGES, "the images must be split between the encoders"
-    # The independent reference: each image's pixels sent to vLLM itself (its own tower).
-    want = [chat(site.llm, site.model, [p, TEXT]) for p in parts]
-    assert all(w.status == 200 and w.tokens for w in want), [w.text for w in want]
 
     def make(part: dict, n: int) -> dict:
-        body = chat_body([part, TEXT])
+        body = chat_body([part, TEXT], tokens=NEW_TOKENS)
         body["model"], body["user"] = str(site.model), str(n)
         return body
+
+    def answer(text: str) -> Answer:
+        return Answer(200, *_ids(json.loads(text)["choices"][0]["logprobs"]["content"]))
+
+    # The independent reference: each image's pixels sent to vLLM itself (its own tower).
+    want = []
+    for i, p in enumerate(parts):
+        r = httpx.post(f"{site.llm}/v1/chat/completions", json=make(p, i), timeout=120)
+        assert r.status_code == 200, r.text
+        want.append(answer(r.text))
 
     e1 = net["e1"]
     served_e1 = lambda: stack.scrape(urls["e1"], "mmferry_requests_total")  # noqa: E731
     fallback = lambda: stack.scrape(site.proxy, "mmferry_proxy_items_fallback_total")  # noqa: E731
     fell_back = fallback()
     load = Load(site.proxy, parts, RATE, timeout_s=120, make=make)
-    time.sleep(3)
+    time.sleep(4)
     before = e1.counters()
     cut = time.monotonic()
     e1.down()
@@ -199,15 +208,17 @@ def test_e1_link_down_through_the_proxy_loses_no_request(site):
     failed = [d for d in done if d.status != 200]
     longest = max(done, key=lambda d: d.took)
     during = [d for d in done if d.image in on_e1 and cut <= d.start < back]
-    # Noticed: an image of E1's answered without waiting on E1 (E2 and vLLM answer one in well
-    # under the connect timeout).
-    fast = [d for d in during if d.took < CONNECT_TIMEOUT_S]
+    usual = statistics.median(d.took for d in done if d.start < cut)
+    # Noticed: an image of E1's answered without waiting on E1 (within the usual time of an
+    # answer plus less than a connect timeout).
+    fast = [d for d in during if d.took < usual + CONNECT_TIMEOUT_S]
     noticed = min(d.start for d in fast) - cut if fast else float("inf")
     report = {
         "requests": len(done),
         "failed": len(failed),
         "longest_s": round(longest.took, 2),
-        "over_1s": sum(d.took > 1 for d in done),
+        "median_before_cut_s": round(usual, 2),
+        "median_e1_images_during_cut_s": round(statistics.median(d.took for d in during), 2),
         "e1_images_during_cut": len(during),
         "noticed_after_s": round(noticed, 2),
         "e1_used_again_after_s": round(used_again - back, 2),
@@ -217,9 +228,9 @@ def test_e1_link_down_through_the_proxy_loses_no_request(site):
     assert not failed, [(d.status, d.text[:300]) for d in failed[:3]]
     assert before[0] > 0 and before[1] > 0  # E1 served over its link before the cut
     assert during, "no request for E1's images while its link was down"
+    # The proxy's bound: `--encoder-timeout`, then one encode by the next encoder and vLLM's answer.
     assert longest.took <= ENCODER_TIMEOUT_S + ANSWER_MARGIN_S, report
     assert count_at_back is not None and used_again < deadline, "E1 was not used again"
     # Each answer is vLLM's own for that image's pixels, whichever encoder made the rows.
     for d in done:
-        steps = json.loads(d.text)["choices"][0]["logprobs"]["content"]
-        Answer(200, *_ids(steps)).same_as(want[d.image])
+        answer(d.text).same_as(want[d.image])
