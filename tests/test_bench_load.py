@@ -160,3 +160,8 @@ def test_cpu_seconds_count_every_thread_of_a_process():
         t.join()
     # two threads of 0.3 s each, in clock ticks (1/100 s)
     assert load.cpu_seconds(os.getpid()) - before >= 0.55
+
+
+def test_concurrency_is_a_setting_of_the_capacity_run():
+    with pytest.raises(SystemExit, match="--concurrency is a setting of --capacity"):
+        load.main(["--concurrency", "1,4,16"])
