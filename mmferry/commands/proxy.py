@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from mmferry.commands.serve import add_intake_args, add_log_level, port
+from mmferry.routing import EPSILON
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -71,9 +72,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--epsilon",
         type=float,
-        default=0.25,
+        default=EPSILON,
         help="bounded load: an encoder past (1 + epsilon) x the mean in-flight items passes "
-        "new items to their next choice",
+        "new items to their next choice (a guard for a slow encoder; hot keys are spread apart)",
     )
     p.add_argument(
         "--encoder-timeout",

@@ -510,9 +510,14 @@ class MmferryECConnector(ECConnectorBase):
                 del need[item]
         if not need:
             return
-        if self._store is not None:
+        # NOTE: only what the scheduler found in the store is read from it; an item a service
+        # answered for was not there at the lookup, or the store did not answer in time. A
+        # worker of its own process (vLLM's CPU default, tensor parallel) would otherwise wait
+        # out `timeout_s` on a store it cannot reach, its scheduler having given up in 1 s.
+        stored = {h: n for h, n in need.items() if h not in owners}
+        if self._store is not None and stored:
             # Straight from the store onto the device; what it lacks comes from the service.
-            found = self._store.load(need, device, self._rows.dtype)
+            found = self._store.load(stored, device, self._rows.dtype)
             for item, rows in found.items():
                 encoder_cache.update(dict.fromkeys(named[item], rows))
             need = {h: n for h, n in need.items() if h not in found}

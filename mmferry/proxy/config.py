@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mmferry.proxy.paths import canonical
+from mmferry.routing import EPSILON
 from mmferry.server.limits import Limits, RequestError
 
 MODES = ("connector", "embeds")
@@ -34,7 +35,7 @@ class ProxyConfig:
     api_key: str | None = None  # what clients must send
     encoder_api_key: str | None = None  # what the proxy sends the encoders
     llm_api_key: str | None = None  # what the proxy sends the engine (None: the client's own)
-    epsilon: float = 0.25  # bounded load: (1 + epsilon) x the mean in-flight items
+    epsilon: float = EPSILON  # bounded load: (1 + epsilon) x the mean in-flight items
     encoder_timeout_s: float = 60.0  # a whole encode or load call on one encoder
     connect_timeout_s: float = 2.0  # a refused or silent encoder fails within this
     llm_timeout_s: float = 600.0  # the engine's answer, between two chunks

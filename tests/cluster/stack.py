@@ -104,11 +104,10 @@ def vllm(net: Net, host: Host, model: Path, connector: dict, timeout_s: float = 
     cmd += ["--max-model-len", "2048", "--max-num-seqs", "16", "--chat-template", str(template)]
     cmd += ["--limit-mm-per-prompt", json.dumps({"image": 4, "video": 1})]
     cmd += ["--ec-transfer-config", json.dumps(config)]
-    # NOTE: the engine core in its own process, as `vllm serve` runs it, with the model's worker
-    # inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps the CPU backend's uniprocess executor),
-    # as vLLM runs one GPU: the connector's scheduler and worker share what they learn of the
-    # store. A worker process of its own (CPU's default, tensor parallel) learns it apart.
-    env = {**vllm_harness.vllm_env(True), **local.env(), "MC_TCP_BIND_ADDRESS": host.addr}
+    # NOTE: vLLM's CPU default: the engine core in a process of its own and the model's worker
+    # in another (as tensor parallel runs it), so the connector's scheduler and worker each
+    # learn apart what they can reach.
+    env = {**vllm_harness.vllm_env(False), **local.env(), "MC_TCP_BIND_ADDRESS": host.addr}
     log = net.work / f"vllm-{host.name}.log"
     proc = host.popen(cmd, env=env, log=log, cwd=net.work)
     url = f"http://{host.addr}:{port}"
