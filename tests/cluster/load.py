@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import numpy as np
@@ -98,3 +99,31 @@ class Load:
         for t in self._threads:
             t.join(self.timeout_s + 5)
         return sorted(self.done, key=lambda d: d.start)
+
+
+def down_then_used_again(
+    host: Any, served: Callable[[], float], down_s: float, wait_s: float = 45.0
+) -> tuple[float, float, float | None]:
+    """`host`'s link down for `down_s` (its process lives on), then up until `served()` (its
+    count of requests served) grows: the times of the cut, of the link back and of its first
+    request served after it (None: not within `wait_s`; the proxy's probe backoff reaches 30 s
+    at most)."""
+    cut = time.monotonic()
+    host.down()
+    time.sleep(down_s)
+    host.up()
+    back = time.monotonic()
+    count_at_back = None
+    deadline = back + wait_s
+    while time.monotonic() < deadline:
+        try:
+            count = served()
+        except Exception:  # noqa: BLE001 - the host unreachable from here a moment after up
+            time.sleep(0.5)
+            continue
+        if count_at_back is None:
+            count_at_back = count
+        elif count > count_at_back:
+            return cut, back, time.monotonic()
+        time.sleep(0.5)
+    return cut, back, None
