@@ -58,10 +58,7 @@ def ratio_chart(title: str, figures: list[dict[str, Any]], path: Path) -> Path:
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.set_xlabel("mmferry's advantage (x, median and spread over the rounds; > 1: mmferry ahead)")
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def grouped_bars(
@@ -89,6 +86,10 @@ def grouped_bars(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -128,10 +129,7 @@ def sweep_chart(title: str, figures: list[dict[str, Any]], path: Path) -> Path:
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def size_chart(title: str, figures: list[dict[str, Any]], path: Path) -> Path:
@@ -162,10 +160,7 @@ def size_chart(title: str, figures: list[dict[str, Any]], path: Path) -> Path:
     ax.set_ylabel("mmferry's advantage (x; median and spread over the rounds)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def from_report(doc: dict[str, Any], out: Path) -> list[Path]:
