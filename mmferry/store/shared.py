@@ -327,7 +327,7 @@ class SharedStore:
         not finished by then are dropped (counted as failures); while a call is still out
         in the store, the client is left open (its close would wait on the store too)."""
         deadline = time.monotonic() + self._publish_s
-        reader_done = self._reader.shutdown(wait=False, cancel_futures=True)
+        self._reader.shutdown(wait=False, cancel_futures=True)
         writer_done = self._writer.shutdown(timeout=self._publish_s)
         if not writer_done:
             dropped = self._writer.cancel_pending()

@@ -58,13 +58,7 @@ class Worker(Executor):
         with self._lock:
             self._closed = True
             if cancel_futures:
-                while True:
-                    try:
-                        job = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if job is not _STOP:
-                        job[0].cancel()
+                self._cancel_queued()
             self._queue.put(_STOP)
         if wait:
             self._thread.join(timeout)
@@ -72,18 +66,22 @@ class Worker(Executor):
 
     def cancel_pending(self) -> int:
         """Cancel the calls not started yet; how many were."""
-        cancelled = 0
-        kept: list[tuple[Future, Callable, tuple, dict] | None] = []
         with self._lock:
-            while True:
-                try:
-                    job = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if job is _STOP:
-                    kept.append(job)
-                elif job[0].cancel():
-                    cancelled += 1
-            for job in kept:
-                self._queue.put(job)
+            return self._cancel_queued()
+
+    def _cancel_queued(self) -> int:
+        """(under the lock) Cancel the queued calls, keeping a queued stop; how many were."""
+        cancelled = 0
+        stops = 0
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is _STOP:
+                stops += 1
+            elif job[0].cancel():
+                cancelled += 1
+        for _ in range(stops):
+            self._queue.put(_STOP)
         return cancelled
