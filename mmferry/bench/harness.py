@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from mmferry.progress import terminal_bar
+
 MIN_ROUNDS = 5
 
 
@@ -186,17 +188,9 @@ class _NoBar:
 
 def progress(total: int, unit: str, stream: Any = None) -> Any:
     """A tqdm bar on stderr while a benchmark runs, only when stderr is a terminal (a log or a
-    pipe gets nothing) and tqdm is installed (a dependency of mmferry); else a no-op."""
-    import sys
-
-    stream = sys.stderr if stream is None else stream
-    if not stream.isatty():
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, unit=unit, file=stream, leave=False, dynamic_ncols=True)
+    pipe gets nothing); else a no-op."""
+    bar = terminal_bar(total, unit, stream, leave=False)
+    return _NoBar() if bar is None else bar
 
 
 def rotated(names: list[str], round_index: int) -> list[str]:

@@ -26,6 +26,7 @@ from mmferry.commands import UsageError, positive_int, short
 from mmferry.commands.interrupts import raised_interrupts
 from mmferry.commands.model_args import add_model_args, build
 from mmferry.commands.outfile import OutputError, check_target, write_atomic
+from mmferry.progress import terminal_bar
 
 IMAGE_SUFFIXES = frozenset([".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"])
 VIDEO_SUFFIXES = frozenset([".mp4", ".mkv", ".webm", ".mov", ".avi", ".m4v"])
@@ -101,11 +102,7 @@ class Progress:
         self.stream = sys.stderr if stream is None else stream  # the one in place now
         self.t0 = time.perf_counter()
         self.tokens = 0
-        self.bar = None
-        if self.stream.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="item", file=self.stream, dynamic_ncols=True)
+        self.bar = terminal_bar(total, "item", self.stream)
 
     def update(self, items: int, tokens: int) -> None:
         self.tokens += tokens
