@@ -11,10 +11,21 @@ fitting size gets it back with its pages already present, as jemalloc and tcmall
 pages for reuse. The cache is bounded two ways:
 - in bytes (`MMFERRY_HOST_CACHE_MB`, default 2048; 0 turns it off): over the limit, the least
   recently freed go first;
-- in time: buffers idle for `IDLE_SECONDS` are released, by a daemon thread (the reaper) that
-  runs while the cache has buffers lent out or held.
+- in time, in two steps, by a daemon thread (the reaper) that runs while the cache has buffers
+  lent out or held: a buffer idle for `IDLE_SECONDS` has its pages handed to the kernel with
+  MADV_FREE, and one idle for `KEEP_SECONDS` is unmapped.
 The cache can add at most its limit to the process's peak memory, and only buffers that were
 already in use a moment before.
+
+Why MADV_FREE and not unmapping at `IDLE_SECONDS`: on a loaded virtual machine a fresh page
+costs far more, and far more erratically, than writing it (290 MiB of fresh huge pages took
+51-800 ms of CPU to fill, 4 KiB pages 148-453 ms, a mapping whose pages had been given
+MADV_FREE 28-44 ms: docs/benchmarks/preprocess-intel.md), so a caller that pauses longer than
+`IDLE_SECONDS` between items paid that every time. Pages given MADV_FREE still count in the
+process's resident memory, as `LazyFree` in /proc/self/smaps, but the kernel takes them back
+first, without swapping, whenever it needs memory; until it does, writing them again costs no
+page fault (jemalloc's "muzzy" pages). A page the kernel took reads as zeros, which the
+buffers' users never see: every byte of a buffer is written before it is read.
 `release_host_cache()` empties it at once.
 
 A tensor's storage is exactly its own bytes of the mapping (a memoryview slice, starting on a
@@ -54,6 +65,10 @@ _HUGE_MIN_BYTES = 4 << 20
 _HUGE_PAGE = 2 << 20
 _CAN_ADVISE = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")
 IDLE_SECONDS = 10.0
+# Idle this long, a lazily freed mapping is unmapped: its pages, if the kernel has not taken
+# them, and its address space go back.
+KEEP_SECONDS = 300.0
+_CAN_FREE = hasattr(mmap, "MADV_FREE")
 # A cached buffer serves requests down to 1/FIT of its size: a looser fit would hold pages
 # that the tensor never uses.
 _FIT = 1.25
@@ -63,14 +78,21 @@ _FIT = 1.25
 class _Idle:
     mapping: mmap.mmap
     since: float
+    lazy: bool = False  # its pages were given MADV_FREE
 
 
 class HostBufferCache:
     """Mappings whose tensors are gone, kept for reuse (see the module docstring)."""
 
-    def __init__(self, limit_bytes: int, idle_seconds: float = IDLE_SECONDS) -> None:
+    def __init__(
+        self,
+        limit_bytes: int,
+        idle_seconds: float = IDLE_SECONDS,
+        keep_seconds: float = KEEP_SECONDS,
+    ) -> None:
         self.limit_bytes = limit_bytes
         self.idle_seconds = idle_seconds
+        self.keep_seconds = keep_seconds
         self._lock = threading.Lock()
         self._idle: list[_Idle] = []  # least recently freed first
         # NOTE: filled by finalizers, which may run inside any allocation of any thread, also
@@ -87,6 +109,13 @@ class HostBufferCache:
         self._settle()
         with self._lock:
             return sum(len(i.mapping) for i in self._idle)
+
+    @property
+    def lazy_bytes(self) -> int:
+        """The bytes of the held mappings whose pages were given MADV_FREE."""
+        self._settle()
+        with self._lock:
+            return sum(len(i.mapping) for i in self._idle if i.lazy)
 
     def take(self, size: int) -> mmap.mmap | None:
         """A cached mapping of `size` to `size * FIT` bytes (the smallest), or None."""
@@ -120,16 +149,17 @@ class HostBufferCache:
         self._wake.put(None)
 
     def release(self, older_than: float = 0.0) -> int:
-        """Release mappings idle for at least `older_than` seconds; returns the bytes freed."""
+        """Unmap mappings idle for at least `older_than` seconds; returns the bytes freed."""
         freed = self._settle(older_than)
         self._wake.put(None)  # the reaper may have nothing left to wait for
         return freed
 
-    def _settle(self, older_than: float | None = None) -> int:
+    def _settle(self, older_than: float | None = None, lazy_after: float | None = None) -> int:
         """Keep the mappings handed back since the last call (the least recently freed are
-        closed past the byte limit), release those idle for `older_than` seconds; returns
-        the bytes released."""
+        closed past the byte limit), unmap those idle for `older_than` seconds and give
+        MADV_FREE to the pages of those idle for `lazy_after`; returns the bytes unmapped."""
         dropped = []
+        lazy: list[_Idle] = []
         with self._lock:
             now = time.monotonic()
             while self._returned:  # a finalizer may append meanwhile: taken now or next time
@@ -148,6 +178,22 @@ class HostBufferCache:
                 cutoff = now - older_than
                 dropped += [i.mapping for i in self._idle if i.since <= cutoff]
                 self._idle = [i for i in self._idle if i.since > cutoff]
+            if lazy_after is not None:
+                cutoff = now - lazy_after
+                # Out of the cache while madvise runs (outside the lock: it walks every
+                # page): MADV_FREE on a page that a new owner had already written would let
+                # the kernel drop what it wrote.
+                lazy = [i for i in self._idle if not i.lazy and i.since <= cutoff]
+                self._idle = [i for i in self._idle if i.lazy or i.since > cutoff]
+        if lazy:
+            failed = _free_lazily([i.mapping for i in lazy])
+            dropped += failed
+            with self._lock:
+                for i in lazy:
+                    if i.mapping not in failed:
+                        i.lazy = True
+                        self._idle.append(i)
+                self._idle.sort(key=lambda i: i.since)
         freed = sum(len(m) for m in dropped)
         _close(dropped)
         return freed
@@ -156,13 +202,16 @@ class HostBufferCache:
         # One daemon thread while the cache has lent or holds anything: it keeps what
         # finalizers hand back and releases what has been idle for `idle_seconds`.
         while True:
-            self._settle(self.idle_seconds)
+            self._settle(self.keep_seconds, lazy_after=self.idle_seconds)
             with self._lock:
                 if not self._lent and not self._idle and not self._returned:
                     self._reaper = None
                     return
-                oldest = self._idle[0].since if self._idle else None
-            wait = None if oldest is None else oldest + self.idle_seconds - time.monotonic()
+                due = [
+                    i.since + (self.keep_seconds if i.lazy else self.idle_seconds)
+                    for i in self._idle
+                ]
+            wait = min(due) - time.monotonic() if due else None
             with contextlib.suppress(queue.Empty):
                 self._wake.get(timeout=None if wait is None else max(wait, 0.0))
 
@@ -175,6 +224,20 @@ class HostBufferCache:
         self._lent -= len(self._returned)
         self._returned.clear()
         self._idle = []
+
+
+def _free_lazily(mappings: list[mmap.mmap]) -> list[mmap.mmap]:
+    """MADV_FREE on each mapping's pages; returns those it could not be given to (a kernel
+    before Linux 4.5, another system), to be unmapped as before."""
+    failed = []
+    for m in mappings:
+        try:
+            if not _CAN_FREE:
+                raise OSError
+            m.madvise(mmap.MADV_FREE)
+        except (OSError, ValueError):
+            failed.append(m)
+    return failed
 
 
 def _close(mappings: list[mmap.mmap]) -> None:

@@ -106,15 +106,55 @@ def test_a_buffer_over_the_limit_is_not_kept(cache):
     assert cache.cached_bytes == 0
 
 
+def _lazy_free_kib() -> int:
+    # The process's pages given MADV_FREE that the kernel has not taken back yet.
+    text = Path("/proc/self/smaps_rollup").read_text()
+    return next(int(line.split()[1]) for line in text.splitlines() if line.startswith("LazyFree:"))
+
+
+def _wait_for(condition, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
 def test_idle_buffers_are_released(cache):
-    cache.idle_seconds = 0.5
+    cache.idle_seconds = 0.3
+    cache.keep_seconds = 0.8
     a = empty_host((8 * MIB,), torch.uint8)
     del a  # freed at once: nothing else refers to it
     assert cache.cached_bytes > 0
-    deadline = time.monotonic() + 5
-    while cache.cached_bytes and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert cache.cached_bytes == 0
+    assert _wait_for(lambda: cache.cached_bytes == 0)
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/smaps_rollup").exists(), reason="LazyFree is read from Linux's smaps"
+)
+def test_an_idle_buffer_gives_its_pages_to_the_kernel_and_is_reused_after(cache):
+    """Idle for `idle_seconds`, a buffer's pages go to the kernel (MADV_FREE: reclaimable,
+    LazyFree in smaps) but the mapping stays in the cache, so a caller that paused longer
+    than that gets it back instead of faulting fresh pages, and what it writes there stays."""
+    cache.idle_seconds = 0.2
+    before = _lazy_free_kib()
+    a = empty_host((16 * MIB,), torch.uint8)
+    a.fill_(5)
+    where = _ptr(a)
+    del a
+    gc.collect()
+    assert _wait_for(lambda: cache.lazy_bytes > 0), "the idle buffer was not given MADV_FREE"
+    assert cache.cached_bytes >= 16 * MIB, "the idle buffer was unmapped"
+    # The kernel may take these pages back any time it needs memory; within this second, on
+    # a host with memory to spare, it has not.
+    assert _lazy_free_kib() - before >= 16 * 1024
+    b = empty_host((16 * MIB,), torch.uint8)
+    assert _ptr(b) == where and cache.hits == 1 and cache.lazy_bytes == 0
+    b.fill_(9)  # written again: the kernel must keep these pages now
+    assert cache.release(0.0) == 0  # b holds its mapping: nothing to release
+    assert bool((b == 9).all())
+    del b
+    gc.collect()
+    assert cache.cached_bytes >= 16 * MIB and cache.lazy_bytes == 0
 
 
 def test_release_now(cache):
@@ -359,7 +399,9 @@ def _stress(seconds: float) -> None:
         buffers._cache = HostBufferCache(0)  # the references: fresh pages, nothing recycled
         refs = [run(*w).feature for w in work]
         buffers._cache = recycling
-        recycling.idle_seconds = 1.0  # idle buffers expire while the threads run, too
+        # Idle buffers go lazy and expire while the threads run, too.
+        recycling.idle_seconds = 0.5
+        recycling.keep_seconds = 1.5
         gc.collect()
         gc.freeze()  # what lives now is never garbage: keeps the frequent collections short
         errors: list[str] = []
