@@ -159,6 +159,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="a request body must arrive within this; 408 past it",
     )
+    p.add_argument(
+        "--sglang-connect-timeout",
+        type=float,
+        default=d.sglang_connect_s,
+        metavar="S",
+        help="SGLang's /encode: the connection to the receive address it names must be up within "
+        "this (it is made while the part encodes), else 502 receiver_unreachable at once",
+    )
     add_intake_args(p)
     p.add_argument(
         "--store",
@@ -230,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
             shm_bytes=args.shm_mib << 20,
             api_key=env.api_key,
             drain_timeout_s=args.drain_timeout,
+            sglang_connect_s=args.sglang_connect_timeout,
             body_timeout_s=args.body_timeout,
             header_timeout_s=args.header_timeout,
             max_uploads=args.max_uploads,

@@ -76,6 +76,8 @@ class ServiceConfig:
     drain_timeout_s: float = 30.0  # SIGTERM to exit, however many requests are still open
     body_timeout_s: float = 30.0  # a request body must arrive in full within this (408)
     header_timeout_s: float = 10.0  # a request's headers must arrive within this (408)
+    # SGLang's /encode: its receive address must be connected within this (sglang_push.py).
+    sglang_connect_s: float = 2.0
     max_uploads: int = 64  # request bodies arriving at once; the next one gets 503
     # A shared store of encoder outputs (mooncake://...; mmferry/store/) and the checkpoint
     # folder (or random tower's name) whose identity keys it; None: this service's cache only.
@@ -91,7 +93,7 @@ class ServiceConfig:
         for name in ("max_queue", "max_uploads", "preprocess_threads", "fetch_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("drain_timeout_s", "body_timeout_s", "header_timeout_s"):
+        for name in ("drain_timeout_s", "body_timeout_s", "header_timeout_s", "sglang_connect_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
 

@@ -24,7 +24,7 @@ from mmferry.chat.parts import VIDEO_KEYS
 from mmferry.embed.packed import packed_rows
 from mmferry.server.intake import Intake
 from mmferry.server.limits import RequestError, shown
-from mmferry.server.sglang_push import Destinations, Pusher, tcp
+from mmferry.server.sglang_push import CONNECT_S, Destinations, Link, Pusher, Unreachable, tcp
 from mmferry.server.sglang_wire import DTYPES, MODALITIES, Part, error_message, rows_message
 
 log = logging.getLogger("mmferry.server")
@@ -140,7 +140,8 @@ class SglangRoutes:
     def pusher(self) -> Pusher:
         if self._pusher is None:
             try:
-                self._pusher = Pusher()
+                connect_s = getattr(self.service.config, "sglang_connect_s", CONNECT_S)
+                self._pusher = Pusher(connect_s=connect_s)
             except ImportError as e:
                 raise RequestError(501, "missing_extra", str(e)) from None
         return self._pusher
@@ -189,18 +190,42 @@ class SglangRoutes:
         return [head, body], rows.numel() * rows.element_size()
 
     async def _deliver(
-        self, backend: str, addresses: list[str], frames: list[Any], outcome: str
+        self,
+        backend: str,
+        addresses: list[str],
+        frames: list[Any],
+        outcome: str,
+        links: list[Link] | None = None,
     ) -> bool:
-        """Push `frames` to every address and count the part as `outcome`; False (logged,
-        counted as undelivered) if one took nothing."""
-        results = await asyncio.gather(
-            *(self.pusher.push(a, frames) for a in addresses), return_exceptions=True
+        """Push `frames` to every address (on `links`, their connections already up, when
+        given) and count the part as `outcome`; False (logged, counted as undelivered) if one
+        took nothing."""
+        pusher = self.pusher
+        sends = (
+            (pusher.send(k, frames) for k in links)
+            if links
+            else (pusher.push(a, frames) for a in addresses)
         )
+        results = await asyncio.gather(*sends, return_exceptions=True)
         failed = [(a, r) for a, r in zip(addresses, results) if isinstance(r, BaseException)]
         for address, error in failed:
             log.warning("SGLang receiver %s took no message: %s", address, error)
         self.parts.labels(backend, "undelivered" if failed else outcome).inc()
         return not failed
+
+    async def _reach(self, addresses: list[str]) -> list[Link]:
+        """Links to every address, their connections up; the first `Unreachable` otherwise
+        (the links that did come up closed)."""
+        results = await asyncio.gather(
+            *(self.pusher.reach(a) for a in addresses), return_exceptions=True
+        )
+        links = [r for r in results if isinstance(r, Link)]
+        errors = [r for r in results if not isinstance(r, Link)]
+        if errors:
+            for link in links:
+                link.close()
+            raise errors[0]
+        return links
 
     async def _to_scheduler(self, req: EncodeRequest, frames: list[Any], outcome: str) -> None:
         """In the background: wait for the scheduler ranks' addresses, then push to each. Ranks
@@ -215,39 +240,95 @@ class SglangRoutes:
         if addresses:
             await self._deliver("zmq_to_scheduler", addresses, frames, outcome)
 
+    def _failed(self, req: EncodeRequest, e: Exception) -> tuple[RequestError, list[Any], str]:
+        """The answer to a part whose rows failed, the error form for its receivers, and how
+        it is counted."""
+        if isinstance(e, RequestError):
+            return e, [error_message(req.part, e.message, e.status)], "refused"
+        log.error("SGLang part %s failed", req.part.req_id, exc_info=e)
+        message = f"{type(e).__name__}: {e}"
+        return (
+            RequestError(500, "internal", message),
+            [error_message(req.part, message, 500)],
+            "failed",
+        )
+
     async def encode(self, request: Any, body: Any) -> Any:
         req = parse_encode(body)
-        backend = "zmq_to_tokenizer" if req.addresses else "zmq_to_scheduler"
         self.pusher  # noqa: B018 - 501 before any work when pyzmq is missing
-        try:
-            frames, nbytes = await self.rows(req)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            error = e if isinstance(e, RequestError) else None
-            status = error.status if error else 500
-            message = error.message if error else f"{type(e).__name__}: {e}"
-            outcome = "refused" if error else "failed"
-            failure = [error_message(req.part, message, status)]
-            # The error form too, so a receiver already waiting fails now, not at its timeout.
-            if req.addresses:
-                self._background(self._deliver(backend, req.addresses, failure, outcome))
-            else:
+        if req.addresses:
+            nbytes = await self._encode_to_tokenizer(req)
+        else:
+            try:
+                frames, nbytes = await self.rows(req)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                error, failure, outcome = self._failed(req, e)
+                # The error form too, so a rank already waiting fails now, not at its timeout.
                 self._background(self._to_scheduler(req, failure, outcome))
-            if error is None:
-                log.exception("SGLang part %s failed", req.part.req_id)
-                raise RequestError(500, "internal", message) from None
-            raise
-        if not req.addresses:
+                raise error from None
             self._background(self._to_scheduler(req, frames, "sent"))
-        # NOTE: shielded: SGLang's tokenizer cancels its /encode call as soon as the rows reach
-        # it, often before the push has returned here; the push and its count go on.
-        elif not await asyncio.shield(
-            self._background(self._deliver(backend, req.addresses, frames, "sent"))
-        ):
-            gone = ", ".join(req.addresses)
-            raise RequestError(502, "receiver_gone", f"SGLang's receiver ({gone}) took no rows")
         return {"req_id": req.part.req_id, "part_idx": req.part.part_idx, "embedding_size": nbytes}
+
+    async def _encode_to_tokenizer(self, req: EncodeRequest) -> int:
+        """`zmq_to_tokenizer`: the part's rows pushed to the addresses `/encode` names; the
+        rows' byte size."""
+        # NOTE: the connections start now, beside the encode: a receive address this encoder
+        # cannot reach (a firewall on the language side, a one-way cut) fails the part within
+        # the pusher's `connect_s`, not after the encode and the send's 30 s.
+        reach = asyncio.ensure_future(self._reach(req.addresses))
+        work = asyncio.ensure_future(self.rows(req))
+        links: list[Link] = []
+        try:
+            await asyncio.wait({reach, work}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done() and reach.exception() is not None:
+                work.cancel()  # its rows would go nowhere
+            await asyncio.wait({reach, work})
+            if reach.exception() is not None:
+                self.parts.labels("zmq_to_tokenizer", "undelivered").inc()
+                if work.cancelled() or work.exception() is None:
+                    raise self._unreachable(reach.exception()) from None
+                # The rows failed too: that is the answer (no receiver can hear of it).
+                raise self._failed(req, work.exception())[0] from None
+            links = reach.result()
+            if work.exception() is not None:
+                error, failure, outcome = self._failed(req, work.exception())
+                # The error form too, so a receiver already waiting fails now, not at its
+                # timeout.
+                sending, links = links, []
+                self._background(
+                    self._deliver("zmq_to_tokenizer", req.addresses, failure, outcome, sending)
+                )
+                raise error from None
+            frames, nbytes = work.result()
+            sending, links = links, []
+            # NOTE: shielded: SGLang's tokenizer cancels its /encode call as soon as the rows
+            # reach it, often before the push has returned here; the push and its count go on.
+            delivery = self._deliver("zmq_to_tokenizer", req.addresses, frames, "sent", sending)
+            if not await asyncio.shield(self._background(delivery)):
+                gone = ", ".join(req.addresses)
+                raise RequestError(502, "receiver_gone", f"SGLang's receiver ({gone}) took no rows")
+            return nbytes
+        finally:
+            # Cancelled (the caller hung up) or failed before the rows were handed on: nothing
+            # runs on, no socket stays open.
+            for task in (reach, work):
+                task.cancel()
+            for link in links:
+                link.close()
+            if not reach.done():
+                reach.add_done_callback(_close_links)
+
+    def _unreachable(self, e: BaseException) -> RequestError:
+        if isinstance(e, Unreachable):
+            return RequestError(
+                502,
+                "receiver_unreachable",
+                f"this encoder cannot reach SGLang's receive address {e} "
+                "(mmferry serve --sglang-connect-timeout)",
+            )
+        return RequestError(502, "receiver_unreachable", f"{type(e).__name__}: {e}")
 
     async def scheduler_receive_url(self, request: Any, body: Any) -> Any:
         if not isinstance(body, dict):
@@ -264,6 +345,12 @@ class SglangRoutes:
             raise _bad(str(e)) from None
         self.destinations.register(req_id, count, address)
         return None
+
+
+def _close_links(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is None:
+        for link in task.result():
+            link.close()
 
 
 class SglangIntake(Intake):

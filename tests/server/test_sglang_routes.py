@@ -8,9 +8,13 @@ reader is in tests/engines/test_sglang_wire.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import io
+import os
 import pickle
+import socket
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -234,13 +238,13 @@ def test_a_part_is_counted_sent_when_sglang_hangs_up_on_the_rows(media_dir, pull
         await service.start()
         routes = SglangRoutes(service)
         try:
-            push = routes.pusher.push
+            send = routes.pusher.send
 
-            async def returns_late(address: str, frames: Any) -> None:
-                await push(address, frames)
+            async def returns_late(link: Any, frames: Any) -> None:
+                await send(link, frames)
                 await asyncio.sleep(1)  # the push's thread handing back late, as under load
 
-            routes.pusher.push = returns_late  # type: ignore[method-assign]
+            routes.pusher.send = returns_late  # type: ignore[method-assign]
             call = asyncio.ensure_future(
                 routes.encode(None, body([str(media_dir / "img0.png")], port))
             )
@@ -257,3 +261,133 @@ def test_a_part_is_counted_sent_when_sglang_hangs_up_on_the_rows(media_dir, pull
             await service.close()
 
     assert asyncio.run(run()) == 1
+
+
+@contextlib.contextmanager
+def receive_address(kind: str) -> Iterator[int]:
+    """A port on 127.0.0.1 where no ZMQ receiver will ever answer: nothing listens (`refused`),
+    a listener whose full accept queue makes the kernel drop every SYN (`silent`, as a firewall
+    does), or one that completes TCP's handshake and never speaks (`mute`)."""
+    held: list[socket.socket] = []
+    try:
+        lsock = socket.socket()
+        held.append(lsock)
+        lsock.bind(("127.0.0.1", 0))
+        port = lsock.getsockname()[1]
+        if kind == "refused":
+            lsock.close()
+        elif kind == "silent":
+            lsock.listen(0)
+            # The accept queue (one connection) full: the kernel drops the next SYNs.
+            for _ in range(2):
+                c = socket.socket()
+                held.append(c)
+                c.setblocking(False)
+                c.connect_ex(("127.0.0.1", port))
+            time.sleep(0.2)
+        else:
+            lsock.listen(8)
+        yield port
+    finally:
+        for s in held:
+            s.close()
+
+
+@pytest.mark.parametrize(
+    "kind, cause",
+    [("refused", "refused"), ("silent", "no answer"), ("mute", "no ZMQ handshake")],
+)
+def test_an_unreachable_receive_address_fails_the_part_within_the_connect_timeout(
+    server, media_dir, kind, cause
+):
+    """The connection to the address `/encode` names starts as the call arrives, beside the
+    encode: one that is not up within `--sglang-connect-timeout` (2 s) fails the part with a
+    502 naming the address and what the connect met, not after the send's 30 s."""
+    with receive_address(kind) as port:
+        t = time.monotonic()
+        r = httpx.post(
+            f"{server.url}/encode", json=body([str(media_dir / "img0.png")], port), timeout=60
+        )
+        took = time.monotonic() - t
+    assert r.status_code == 502, r.text
+    assert r.json()["kind"] == "receiver_unreachable"
+    message = r.json()["message"]
+    assert f"127.0.0.1:{port}" in message and cause in message and "2 s" in message, message
+    assert 1.9 <= took < 5, took
+
+
+def test_an_unreachable_receiver_leaves_no_socket_task_or_encode_behind(media_dir):
+    """In process, a short connect timeout and a slow encode: the part fails at the deadline,
+    its encode is cancelled, and no task, socket or file descriptor outlives the call; a
+    reachable receiver afterwards gets its rows (nothing was left half-open)."""
+    from mmferry.encoder.model import VisionEncoder
+    from mmferry.server.limits import Limits, RequestError
+    from mmferry.server.service import EncoderService, ServiceConfig
+    from mmferry.server.sglang_routes import SglangRoutes
+
+    from .in_process import PROC, TOWER
+
+    limits = Limits(allow_paths=(str(media_dir),))
+    config = ServiceConfig(limits=limits, shm_bytes=0, preprocess_threads=1, sglang_connect_s=0.5)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def run() -> None:
+        service = EncoderService(PROC, VisionEncoder.random("qwen3-vl", config=TOWER), config)
+        await service.start()
+        routes = SglangRoutes(service)
+        try:
+            rows = routes.rows
+            cancelled = asyncio.Event()
+
+            async def slow_rows(req: Any) -> Any:
+                try:
+                    await asyncio.sleep(30)  # an encode far longer than the deadline
+                except asyncio.CancelledError:
+                    cancelled.set()
+                    raise
+                return await rows(req)
+
+            tasks = asyncio.all_tasks()
+            routes.rows = slow_rows  # type: ignore[method-assign]
+            before = 0
+            # The first call starts ZMQ's own threads (and their descriptors): counted after it.
+            for kind in ("refused", "silent", "refused"):
+                with receive_address(kind) as port:
+                    t = time.monotonic()
+                    with pytest.raises(RequestError) as err:
+                        await routes.encode(None, body([str(media_dir / "img0.png")], port))
+                    took = time.monotonic() - t
+                assert err.value.status == 502 and err.value.kind == "receiver_unreachable"
+                assert f"127.0.0.1:{port}" in err.value.message and "0.5 s" in err.value.message
+                assert 0.45 <= took < 2.5, (kind, took)
+                assert cancelled.is_set()
+                cancelled.clear()
+                before = before or fds()
+            await asyncio.sleep(0.2)
+            assert not routes._tasks
+            assert asyncio.all_tasks() == tasks  # the service's own, no more
+            assert fds() == before, (before, fds())
+            undelivered = {"backend": "zmq_to_tokenizer", "outcome": "undelivered"}
+            counted = service.metrics.registry.get_sample_value(
+                "mmferry_sglang_parts_total", undelivered
+            )
+            assert counted == 3
+            routes.rows = rows  # type: ignore[method-assign]
+            ctx = zmq.Context()
+            sock = ctx.socket(zmq.PULL)
+            try:
+                sock.setsockopt(zmq.RCVTIMEO, 30_000)
+                port = sock.bind_to_random_port("tcp://127.0.0.1")
+                got = await routes.encode(None, body([str(media_dir / "img0.png")], port))
+                head, _ = await asyncio.to_thread(sock.recv_multipart)
+                assert load(head)["error_msg"] is None and got["embedding_size"] > 0
+            finally:
+                sock.close(linger=0)
+                ctx.term()
+        finally:
+            await routes.close()
+            await service.close()
+
+    asyncio.run(run())
