@@ -7,10 +7,12 @@ of the machine uses, and the root namespace (the test itself) is `.1` on the bri
 routed anywhere else: the hosts have no default route. Between hosts a peer vanishes the way it
 does on a network: `Host.down()` takes its link down (its processes live on; packets to it are
 dropped, so a connect hangs until its timeout rather than being refused), `Host.shape(rate)`
-puts a token-bucket filter (tbf) on both directions of its link, and `Host.counters()` reads the
-bytes its link carried. Each host also has its own /dev/shm (a folder of the run bind-mounted
-over it inside the host's mount namespace), as separate machines do: shared memory cannot
-carry anything between hosts, and what a host's processes leave there is counted as theirs.
+puts a token-bucket filter (tbf) on both directions of its link, `Host.refuse_from(other)` drops
+the connections one host opens to another (one way: a firewall on the receiving side), and
+`Host.counters()` reads the bytes its link carried. Each host also has its own /dev/shm (a
+folder of the run bind-mounted over it inside the host's mount namespace), as separate machines
+do: shared memory cannot carry anything between hosts, and what a host's processes leave there
+is counted as theirs.
 
 Every name (namespaces, links, the shm folders) carries the run's id, `Net.leftovers()` lists
 what of the run remains, and `Net.stop()` ends the run's processes and deletes all of it. A
@@ -91,6 +93,8 @@ class Host:
     addr: str
     shm: Path  # the folder mounted over /dev/shm inside the host
     procs: list[subprocess.Popen] = field(default_factory=list)
+    shaped: bool = False  # shape() holds the link's qdiscs
+    refusing: bool = False  # refuse_from() holds the bridge end's qdisc
 
     def command(self, args: list[str]) -> list[str]:
         """`args` run inside the host: its network namespace, its own /dev/shm."""
@@ -159,8 +163,45 @@ class Host:
         for a, b in ((self, other), (other, self)):
             _ip("-n", a.ns, "neigh", "del", b.addr, "dev", a.inner, check=False)
 
+    def refuse_from(self, other: Host, port: int | None = None) -> None:
+        """This host silently drops the TCP connections `other` opens to it (to `port`, or to
+        any port), as a firewall on this host's side does; everything else passes, so the
+        connections this host opens to `other` work both ways and those `other` opened before
+        live on. One way, unlike `cut_from`. `accept_from` lifts every refusal."""
+        # The link's end on the bridge sends what enters the host: an htb qdisc there (its
+        # default class absent, so unmatched packets pass unshaped) with one class whose leaf
+        # drops everything (blackhole), and u32 filters sending it `other`'s SYNs (SYN set, ACK
+        # clear: byte 13 of the TCP header, after a 20-byte IP header). tc's drop action and
+        # iptables need modules a bare kernel may lack; htb, blackhole and u32 are common.
+        if self.shaped:
+            raise RuntimeError(f"{self.name}'s link is shaped; refuse_from uses its qdisc")
+        tc = ["tc", "filter", "add", "dev", self.veth, "parent", "1:", "protocol", "ip"]
+        match = ["u32", "match", "ip", "src", f"{other.addr}/32"]
+        match += ["match", "ip", "dst", f"{self.addr}/32", "match", "ip", "protocol", "6", "0xff"]
+        match += ["match", "u8", "0x02", "0x12", "at", "33"]
+        if port is not None:
+            match += ["match", "ip", "dport", str(port), "0xffff"]
+        if not self.refusing:
+            for cmd in (
+                ["qdisc", "add", "dev", self.veth, "root", "handle", "1:", "htb", "default", "99"],
+                ["class", "add", "dev", self.veth, "parent", "1:", "classid", "1:2", "htb"]
+                + ["rate", "1gbit"],
+                ["qdisc", "add", "dev", self.veth, "parent", "1:2", "handle", "2:", "blackhole"],
+            ):
+                subprocess.run(["tc", *cmd], check=True, capture_output=True)
+        subprocess.run([*tc, "prio", "1", *match, "flowid", "1:2"], check=True, capture_output=True)
+        self.refusing = True
+
+    def accept_from(self) -> None:
+        """Lift every `refuse_from`."""
+        subprocess.run(["tc", "qdisc", "del", "dev", self.veth, "root"], capture_output=True)
+        self.refusing = False
+
     def shape(self, rate: str) -> None:
         """Limit both directions of the host's link to `rate` (tc's units: 1gbit, 10gbit)."""
+        if self.refusing:
+            raise RuntimeError(f"{self.name} refuses connections; shape uses its link's qdisc")
+        self.shaped = True
         # burst: at least rate/HZ bytes, else tbf cannot reach its rate; a 1 ms worth is ample.
         bits = _rate_bits(rate)
         burst = max(bits // 8 // 1000, 64 * 1024)
@@ -188,6 +229,7 @@ class Host:
             )
 
     def unshape(self) -> None:
+        self.shaped = False
         for dev, ns in ((self.veth, None), (self.inner, self.ns)):
             pre = ["ip", "netns", "exec", ns] if ns else []
             subprocess.run([*pre, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)

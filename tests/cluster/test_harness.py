@@ -142,3 +142,35 @@ def test_a_check_before_stop_sees_the_others_ended_and_reports_what_is_held(netn
         net.stop()
     assert seen[0][0] is not None and seen[0][1] is None  # the other ended, the kept one not
     assert net.leftovers() == ["segment of the run"] and kept.poll() is not None
+
+
+def test_refusing_a_hosts_connections_is_one_way(net):
+    """`a.refuse_from(b, PORT)`: b's connections to a's PORT hang (dropped, as a firewall on a's
+    side drops them), while a's connections to b work both ways, data and answer, and so do
+    the test's to a; without a port every port of a is refused to b; `accept_from` lifts it."""
+    a, b = net["a"], net["b"]
+    log = net.work / "sink-b.log"
+    sink = b.popen([sys.executable, str(SINK), b.addr, str(PORT)], log=log)
+    for _ in range(100):
+        if log.exists() and "listening" in log.read_text():
+            break
+        assert sink.poll() is None, log.read_text()
+        time.sleep(0.05)
+    try:
+        for port in (PORT, None):
+            a.refuse_from(b, port)
+            try:
+                status, kind, took = send(net, "b", a.addr, 10, timeout=1.5)
+                assert (status, kind) == ("error", "TimeoutError") and float(took) >= 1.4
+                # The other way: a opens a connection to b, sends, and hears b's answer.
+                assert send(net, "a", b.addr, 100_000)[:2] == ["ok", "100000"]
+                with socket.create_connection((a.addr, PORT), timeout=5) as s:
+                    s.sendall(b"xyz")
+                    s.shutdown(socket.SHUT_WR)
+                    assert s.recv(64) == b"3"
+            finally:
+                a.accept_from()
+            assert send(net, "b", a.addr, 10)[:2] == ["ok", "10"]
+    finally:
+        sink.terminate()
+        sink.wait(10)
