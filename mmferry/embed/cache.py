@@ -41,6 +41,13 @@ class EncoderCache:
         self.used_bytes = 0
         self.hits = self.misses = self.evictions = self.length_mismatches = 0
         self._entries: OrderedDict[str, VisionOutput] = OrderedDict()
+        # Called with a key whose entry was stored or dropped (server/pins.py keeps its count
+        # of pinned rows outside the cache by them, instead of scanning every pin).
+        self._watchers: list[Callable[[str], None]] = []
+
+    def watch(self, changed: Callable[[str], None]) -> None:
+        """`changed(key)` after each entry stored or dropped, on the thread that did it."""
+        self._watchers.append(changed)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -88,6 +95,8 @@ class EncoderCache:
         entry = VisionOutput(_owned(out.embeds), tuple(_owned(d) for d in out.deepstack))
         self._entries[key] = entry
         self.used_bytes += _nbytes(entry)
+        for changed in self._watchers:
+            changed(key)
         return True
 
     def peek(self, key: str) -> VisionOutput | None:
@@ -96,6 +105,8 @@ class EncoderCache:
 
     def _drop(self, key: str) -> None:
         self.used_bytes -= _nbytes(self._entries.pop(key))
+        for changed in self._watchers:
+            changed(key)
 
 
 def encode_with_cache(

@@ -31,6 +31,7 @@ class _Held:
     out: VisionOutput
     nbytes: int
     callers: dict[str, float] = field(default_factory=dict)
+    outside: int = 0  # nbytes while the cache does not hold `out` under its key, else 0
 
 
 def _nbytes(out: VisionOutput) -> int:
@@ -76,6 +77,11 @@ class Pins:
         self._watchers: list[asyncio.Future] = []  # lookups waiting for a change (changed())
         # (deadline, key, caller), oldest first; entries of released pins are skipped.
         self._deadlines: list[tuple[float, str, str]] = []
+        # The sum of every held item's `outside`: kept as pins and the cache change, since a
+        # sum over every pin at each new pin grew with the pins held (thousands when an
+        # engine stops loading).
+        self._outside = 0
+        cache.watch(self._recount)
 
     def __len__(self) -> int:
         """Pins held (one per caller and item)."""
@@ -84,7 +90,15 @@ class Pins:
     @property
     def used_bytes(self) -> int:
         """Bytes of pinned rows the cache no longer holds: what `max_bytes` bounds."""
-        return sum(h.nbytes for k, h in self._held.items() if self.cache.peek(k) is not h.out)
+        return self._outside
+
+    def _recount(self, key: str) -> None:
+        """`key`'s share of `used_bytes` after its pins or the cache's entry changed."""
+        held = self._held.get(key)
+        if held is not None:
+            outside = 0 if self.cache.peek(key) is held.out else held.nbytes
+            self._outside += outside - held.outside
+            held.outside = outside
 
     def _release(self, key: str, caller: str) -> None:
         held = self._held.get(key)
@@ -92,6 +106,7 @@ class Pins:
             self._count -= 1
             if not held.callers:
                 del self._held[key]
+                self._outside -= held.outside
 
     def _expire(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -113,6 +128,7 @@ class Pins:
         cached = self.cache.peek(key)
         if held is not None and cached is not None and cached is not held.out:
             held.out, held.nbytes = cached, _nbytes(cached)
+            self._recount(key)
         return held, cached
 
     def _pin(
@@ -169,6 +185,7 @@ class Pins:
             return 0.0, used
         if held is None:
             held = self._held[key] = _Held(out, _nbytes(out))
+            self._recount(key)
         held.callers[caller] = deadline
         self._count += 1
         heapq.heappush(self._deadlines, (deadline, key, caller))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import time
@@ -277,3 +278,44 @@ def test_cache_routes_refuse_hostile_json_with_a_400(service):
             )
             assert r.status_code == 400, (route, r.status_code, r.text[:200])
             assert r.json()["error"]["kind"] == "bad_json"
+
+
+def _outside_by_scan(pins: Pins, cache: EncoderCache) -> int:
+    """The plain definition of `used_bytes`: every pinned item whose rows the cache does not
+    hold under its key."""
+    return sum(
+        sum(t.numel() * t.element_size() for t in (h.out.embeds, *h.out.deepstack))
+        for k, h in pins._held.items()
+        if cache.peek(k) is not h.out
+    )
+
+
+def test_used_bytes_follows_every_pin_and_cache_change():
+    # A seeded walk of lookups, holds, loads, expiries and cache stores, evictions and
+    # replacements: the count kept as they happen equals a scan of every pin after each step.
+    import random
+
+    rng = random.Random(7)
+    cache = EncoderCache(capacity_bytes=3 * 64)
+    pins = Pins(cache, ttl_s=5.0, max_bytes=4 * 64, max_pins=12)
+    keys = [f"k{i}" for i in range(6)]
+    callers = ["e1", "e2", "e3"]
+    now = 0.0
+    for step in range(3000):
+        now += rng.choice([0.0, 0.1, 0.5, 2.0])
+        op = rng.randrange(6)
+        key = rng.choice(keys)
+        if op == 0:
+            cache.put(key, out(rng.choice([1, 2, 3]), float(step)))
+        elif op == 1:
+            pins.lookup(rng.sample(keys, 2), rng.choice(callers), now=now)
+        elif op == 2:
+            pins.hold(key, out(rng.choice([1, 2]), float(step)), now=now)
+        elif op == 3:
+            with contextlib.suppress(KeyError):
+                pins.take_all([key], rng.choice(callers + ["encode"]), now=now)
+        elif op == 4 and key in cache:
+            cache.get(key, -1)  # a wrong length drops the entry
+        else:
+            pins.lookup([], "e1", now=now)  # expiry alone
+        assert pins.used_bytes == _outside_by_scan(pins, cache), step
