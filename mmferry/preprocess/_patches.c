@@ -334,6 +334,63 @@ int mmferry_patches_f32(const uint8_t *src, ptrdiff_t frame_stride, ptrdiff_t ro
                                group, temporal, scale, shift, first, last, dst);
 }
 
+/* Rows of RGB in 4-byte pixels (the 4th byte unused; how Pillow and a decoded JPEG hold RGB)
+ * -> contiguous 3-byte pixels, `rows` rows of `w` pixels `row_stride` bytes apart. The item
+ * key hashes RGB pixels packed (decode.py, pixels_identity): this packs them a cache-sized
+ * chunk at a time for the hash, instead of a strided copy of the whole image. */
+HOT static void pack_rgb_generic(const uint8_t *restrict src, ptrdiff_t row_stride, ptrdiff_t w,
+                                 ptrdiff_t rows, uint8_t *restrict dst) {
+    for (ptrdiff_t y = 0; y < rows; y++) {
+        const uint8_t *s = src + y * row_stride;
+        for (ptrdiff_t x = 0; x < w; x++) {
+            dst[3 * x] = s[4 * x];
+            dst[3 * x + 1] = s[4 * x + 1];
+            dst[3 * x + 2] = s[4 * x + 2];
+        }
+        dst += 3 * w;
+    }
+}
+
+#ifdef MMFERRY_AVX512
+/* 16 pixels a step: one load, one byte permute, one 48-byte masked store; the row's tail
+ * with masked loads and stores (nothing read or written past the row). */
+AVX512 static void pack_rgb_avx512(const uint8_t *src, ptrdiff_t row_stride, ptrdiff_t w,
+                                   ptrdiff_t rows, uint8_t *dst) {
+    uint8_t idx[64];
+    for (int j = 0; j < 64; j++) idx[j] = (uint8_t)(j < 48 ? (j / 3) * 4 + j % 3 : 0);
+    const __m512i perm = _mm512_loadu_si512(idx);
+    for (ptrdiff_t y = 0; y < rows; y++) {
+        const uint8_t *s = src + y * row_stride;
+        ptrdiff_t x = 0;
+        for (; x + 16 <= w; x += 16) {
+            __m512i v = _mm512_loadu_si512(s + 4 * x);
+            _mm512_mask_storeu_epi8(dst + 3 * x, 0xFFFFFFFFFFFFull,
+                                    _mm512_permutexvar_epi8(perm, v));
+        }
+        ptrdiff_t n = w - x;
+        if (n > 0) {
+            __m512i v = _mm512_maskz_loadu_epi8(_cvtu64_mask64((~0ull) >> (64 - 4 * n)), s + 4 * x);
+            _mm512_mask_storeu_epi8(dst + 3 * x, _cvtu64_mask64((~0ull) >> (64 - 3 * n)),
+                                    _mm512_permutexvar_epi8(perm, v));
+        }
+        dst += 3 * w;
+    }
+}
+#endif
+
+int mmferry_pack_rgb(const uint8_t *src, ptrdiff_t row_stride, ptrdiff_t w, ptrdiff_t rows,
+                     uint8_t *dst, int isa) {
+#ifdef MMFERRY_AVX512
+    if (isa >= 1 && mmferry_patches_isa() >= 1) {
+        pack_rgb_avx512(src, row_stride, w, rows, dst);
+        return 0;
+    }
+#endif
+    (void)isa;
+    pack_rgb_generic(src, row_stride, w, rows, dst);
+    return 0;
+}
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_patches", NULL, -1, NULL};
 
 PyMODINIT_FUNC PyInit__patches(void) { return PyModule_Create(&module); }

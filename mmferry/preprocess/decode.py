@@ -14,6 +14,7 @@ import io
 import os
 import struct
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageFile, UnidentifiedImageError
 
+from mmferry.preprocess import kernels
 from mmferry.preprocess.buffers import empty_host
+from mmferry.preprocess.hashing import ChunkedPart
 
 _EXIF_ORIENTATION = 0x0112
 # Pillow's bytes per pixel by mode, to bound a decode's memory from the header alone.
@@ -250,6 +253,25 @@ def _high_bit_scale(im: Image.Image, name: str) -> float | None:
     )
 
 
+def _copy_rgbx(im: Image.Image) -> torch.Tensor | None:
+    """A decoded RGB image's pixels copied as they lie in Pillow's memory (4-byte pixels) into
+    a recycled [H, W, 4] buffer: its [3, H, W] view, as `_decode_rgbx` gives. None when
+    Pillow's interface has changed (then the pixels are packed to 3 bytes).
+
+    NOTE: Pillow's paste between two images of one mode copies each line with memcpy, where
+    packing to 3-byte pixels shuffles every pixel: 16 PIL images of 48 MP took 38-40 ms of CPU
+    here against 83-93 ms (docs/benchmarks/preprocess-intel.md). resize_u8 and the patch
+    kernel read 4-byte pixels as they are.
+    """
+    buf = empty_host((im.height, im.width, 4), torch.uint8)
+    try:
+        core = Image.core.map_buffer(buf.numpy(), im.size, "raw", 0, ("RGB", 0, 1))
+        core.paste(im.im, (0, 0, im.width, im.height))
+    except Exception:  # noqa: BLE001 - any change in Pillow's internals: fall back
+        return None
+    return buf.permute(2, 0, 1)[:3]
+
+
 def _pack_rgb(im: Image.Image) -> np.ndarray | None:
     """RGB pixels packed straight into a writable [H, W, 3] array, in one pass.
 
@@ -293,6 +315,9 @@ def _convert_in_strips(im: Image.Image, name: str) -> np.ndarray:
 def _pil_to_chw(im: Image.Image, name: str) -> torch.Tensor:
     hwc = None
     if im.mode == "RGB" and im.info.get("transparency") is None:
+        rgbx = _copy_rgbx(im)
+        if rgbx is not None:
+            return rgbx
         hwc = _pack_rgb(im)
         if hwc is None:
             hwc = np.array(im)  # [H, W, 3] uint8, writable
@@ -346,9 +371,53 @@ def without_negative_strides(arr: np.ndarray) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(arr, strides=strides, writeable=False)
 
 
-def pixels_identity(pixels: torch.Tensor, kind: bytes) -> tuple[bytes | memoryview, ...]:
-    """Hash parts for raw pixels: kind, shape and the bytes (a view when contiguous)."""
+class PackedRGB(ChunkedPart):
+    """The bytes of [H, W, 3] RGB pixels held 4 bytes a pixel, packed to 3 a chunk at a time
+    as they are hashed: the same bytes as `pixels.contiguous()`, without torch's strided copy
+    of the whole image. The benchmark's 16 images (48 MP), one thread: that copy 116-137 ms of
+    CPU, the packed chunks 29-33 ms; packed and hashed 50-53 ms, where a chunk is hashed from
+    L2 (docs/benchmarks/preprocess-intel.md)."""
+
+    CHUNK_BYTES = 1 << 20  # stays in L2 between the pack and the hash
+
+    def __init__(self, pixels: torch.Tensor) -> None:
+        self.pixels = pixels
+        self.nbytes = pixels.numel()
+
+    def chunks(self) -> Iterator[memoryview]:
+        h, w, _ = self.pixels.shape
+        rows = max(1, self.CHUNK_BYTES // (3 * w))
+        buf = np.empty(min(rows, h) * 3 * w, np.uint8)
+        view = memoryview(buf)
+        src, stride = self.pixels.data_ptr(), self.pixels.stride(0)
+        for y in range(0, h, rows):
+            n = min(rows, h - y)
+            kernels.pack_rgb(src + y * stride, stride, w, n, buf.ctypes.data)
+            yield view[: n * 3 * w]
+
+
+def _rgbx_hwc(pixels: torch.Tensor) -> bool:
+    """Whether `pixels` [H, W, 3] uint8 are RGB held in 4-byte pixels (rows of any stride)."""
+    if pixels.dim() != 3 or pixels.dtype != torch.uint8 or pixels.shape[-1] != 3:
+        return False
+    h, w, _ = pixels.shape
+    return (
+        pixels.device.type == "cpu"
+        and pixels.stride(2) == 1
+        and pixels.stride(1) == 4
+        and pixels.stride(0) >= 4 * w
+        and h * w > 0
+    )
+
+
+def pixels_identity(
+    pixels: torch.Tensor, kind: bytes
+) -> tuple[bytes | memoryview | ChunkedPart, ...]:
+    """Hash parts for raw pixels: kind, shape and the bytes (a view when contiguous; RGB in
+    4-byte pixels packed a chunk at a time by the compiled kernel, when it is built)."""
     shape = ",".join(str(s) for s in pixels.shape).encode()
+    if _rgbx_hwc(pixels) and kernels.available():
+        return (kind, shape, PackedRGB(pixels))
     return (kind, shape, memoryview(pixels.contiguous().numpy()).cast("B"))
 
 

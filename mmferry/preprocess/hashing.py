@@ -16,7 +16,7 @@ otherwise idle many-core host, where the key is already not the longest part.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from blake3 import blake3
 
@@ -25,9 +25,23 @@ from mmferry.config import ProcessorConfig
 DIGEST_BYTES = 16
 
 
+class ChunkedPart:
+    """An identity part whose bytes are made a chunk at a time while they are hashed (RGB held
+    in 4-byte pixels, packed: decode.py); hashed exactly as one buffer of those bytes."""
+
+    nbytes: int
+
+    def chunks(self) -> Iterator[memoryview]:
+        raise NotImplementedError
+
+
+def _nbytes(part: bytes | memoryview | ChunkedPart) -> int:
+    return part.nbytes if isinstance(part, ChunkedPart) else memoryview(part).nbytes
+
+
 def item_hash(
     modality: str,
-    identity: Iterable[bytes | memoryview],
+    identity: Iterable[bytes | memoryview | ChunkedPart],
     cfg: ProcessorConfig,
     extra: bytes = b"",
 ) -> str:
@@ -39,11 +53,15 @@ def item_hash(
     # different threads run in parallel.
     h = blake3()
     for part in (modality.encode(), cfg.fingerprint(), extra, *identity):
-        h.update(memoryview(part).nbytes.to_bytes(8, "little"))
-        h.update(part)
+        h.update(_nbytes(part).to_bytes(8, "little"))
+        if isinstance(part, ChunkedPart):
+            for chunk in part.chunks():
+                h.update(chunk)
+        else:
+            h.update(part)
     return h.digest(length=DIGEST_BYTES).hex()
 
 
-def identity_nbytes(identity: Iterable[bytes | memoryview]) -> int:
+def identity_nbytes(identity: Iterable[bytes | memoryview | ChunkedPart]) -> int:
     """Bytes an item hash reads for these parts (what decides whether it runs alongside)."""
-    return sum(memoryview(part).nbytes for part in identity)
+    return sum(_nbytes(part) for part in identity)

@@ -1,4 +1,5 @@
-"""The compiled one-pass patch-row kernel (`_patches.c`), when it was built.
+"""The compiled one-pass patch-row kernel (`_patches.c`), when it was built, and its packer of
+RGB held in 4-byte pixels into 3-byte pixels (for the item key: decode.py, PackedRGB).
 
 `pip install` compiles it where a C compiler is present (it is an optional extension); without
 it, `patch_rows` returns False and patchify.py uses its torch path, which gives the same rows.
@@ -48,6 +49,10 @@ def _library() -> ctypes.CDLL | None:
     ]
     lib.mmferry_patches_u8.restype = lib.mmferry_patches_f32.restype = ctypes.c_int
     lib.mmferry_patches_isa.restype = ctypes.c_int
+    if not hasattr(lib, "mmferry_pack_rgb"):  # a build of an older source: not used
+        return None
+    lib.mmferry_pack_rgb.argtypes = [_P, _N, _N, _N, _P, _I]
+    lib.mmferry_pack_rgb.restype = ctypes.c_int
     return lib
 
 
@@ -117,4 +122,17 @@ def patch_rows(
                 raise MemoryError("the patch-row kernel could not allocate its band buffer")
 
     run_split(bands, threads, fill)
+    return True
+
+
+def pack_rgb(
+    src: int, row_stride: int, width: int, rows: int, dst: int, *, level: int | None = None
+) -> bool:
+    """Pack `rows` rows of `width` RGB pixels held 4 bytes a pixel (the 4th unused), starting at
+    address `src`, `row_stride` bytes apart, into contiguous 3-byte pixels at `dst`; False
+    (nothing written) when the kernel is missing. `level` as in `patch_rows`."""
+    lib = _library()
+    if lib is None:
+        return False
+    lib.mmferry_pack_rgb(src, row_stride, width, rows, dst, isa() if level is None else level)
     return True

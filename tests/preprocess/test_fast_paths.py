@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image
+from PIL import Image, ImageOps
 
 from mmferry.models import preset
 from mmferry.preprocess import image as image_mod
@@ -48,8 +48,8 @@ def _sources(rgb: np.ndarray) -> dict[str, object]:
 
 def test_resize_is_channels_last_and_bit_identical(monkeypatch):
     """Every source kind: the resize input is channels-last (torch's fast uint8 kernel), or
-    4-byte pixels for a JPEG, and the output equals today's formula, the resize of
-    `pixels.unsqueeze(0)`."""
+    4-byte pixels for a JPEG and an RGB PIL image, and the output equals today's formula, the
+    resize of `pixels.unsqueeze(0)`."""
     real = image_mod.resize_u8
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -69,8 +69,9 @@ def test_resize_is_channels_last_and_bit_identical(monkeypatch):
             pixels.unsqueeze(0), size=out.shape[-2:], mode="bicubic", antialias=True
         )
         assert torch.equal(out, old), key
-        if key == "jpeg":
-            # Decoded into 4-byte pixels (decode.py): resized as four channels-last channels.
+        if key in ("jpeg", "pil"):
+            # Decoded or copied into 4-byte pixels (decode.py): resized as four channels-last
+            # channels.
             for t in (frames, out):
                 _, _, h, w = t.shape
                 assert t.stride() == (4 * h * w, 1, 4 * w, 4), key
@@ -234,7 +235,8 @@ def test_strided_arrays_give_the_item_of_their_contiguous_copy():
 def test_jpeg_decodes_into_four_byte_pixels_with_the_same_result():
     """An upright RGB JPEG is decoded straight into mmferry's 4-byte-pixel buffer: the same
     pixels as Pillow's own decode, and the same rows as the decoded array gives, in both
-    layouts. A turned JPEG and a PNG take the portable path."""
+    layouts. A turned JPEG (turned by Pillow) and an RGB PNG are copied out of Pillow's
+    memory as 4-byte pixels (decode.py, _copy_rgbx), with the same result."""
     rgb = gradient(300, 400, 11)
     data = encode(Image.fromarray(rgb), "JPEG")
     decoded = decode_image(data, CFG.max_decoded_pixels).pixels
@@ -249,6 +251,32 @@ def test_jpeg_decodes_into_four_byte_pixels_with_the_same_result():
     exif[0x0112] = 6  # turned: exif_transpose makes a new image
     turned = encode(im, "JPEG", exif=exif.tobytes())
     upright = decode_image(turned, CFG.max_decoded_pixels).pixels
-    assert upright.shape == (3, 400, 300) and upright.stride()[-1] == 3
+    assert upright.shape == (3, 400, 300) and upright.stride() == (1, 4 * 300, 4)
+    shown = ImageOps.exif_transpose(Image.open(io.BytesIO(turned))).convert("RGB")
+    assert torch.equal(upright, torch.from_numpy(np.array(shown)).permute(2, 0, 1))
     png = decode_image(encode(im, "PNG"), CFG.max_decoded_pixels).pixels
-    assert png.stride()[-1] == 3
+    assert png.stride() == (1, 4 * 400, 4)
+    assert torch.equal(png, torch.from_numpy(rgb).permute(2, 0, 1))
+
+
+def test_pil_rgb_is_copied_as_four_byte_pixels_with_the_same_result(monkeypatch):
+    """A decoded RGB PIL image's pixels are copied as Pillow holds them (4 bytes a pixel, no
+    pack to 3), and give the rows and the key of the same pixels as an array, in both layouts;
+    the key packs them to 3 bytes a chunk at a time (chunks that end mid-row here), hashing
+    the bytes the array's key hashes."""
+    from mmferry.preprocess import decode
+    from mmferry.preprocess.decode import PackedRGB, pixels_identity
+
+    rgb = gradient(300, 400, 13)  # resized up: the source pixels are hashed
+    pixels = decode_image(Image.fromarray(rgb), CFG.max_decoded_pixels).pixels
+    assert pixels.stride() == (1, 4 * 400, 4)  # the 4-byte copy was taken
+    assert torch.equal(pixels, torch.from_numpy(rgb).permute(2, 0, 1))
+    parts = pixels_identity(pixels.permute(1, 2, 0), b"upright-hwc-u8")
+    assert isinstance(parts[-1], PackedRGB)
+    assert b"".join(bytes(c) for c in parts[-1].chunks()) == rgb.tobytes()
+    monkeypatch.setattr(decode.PackedRGB, "CHUNK_BYTES", 1000)
+    for layout in ("hf", "compact-u8"):
+        got = process_image(Image.fromarray(rgb), CFG, layout=layout)
+        want = process_image(rgb.copy(), CFG, layout=layout)
+        assert torch.equal(got.feature, want.feature), layout
+        assert got.hash == want.hash, layout

@@ -134,3 +134,20 @@ def test_rgb_in_four_byte_pixels_resizes_like_packed_rgb():
     )
     widened = patchify_mod._rgbx_view(full.as_strided((1, 3, h, w), (4 * h * w, 1, 4 * w, 4)))
     assert widened is not None and widened.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("level", [lvl for lvl in (0, 1) if kernels.isa() >= lvl])
+@pytest.mark.parametrize(
+    ("h", "w", "pad"), [(1, 1, 0), (3, 15, 1), (2, 16, 0), (5, 17, 3), (4, 400, 7)]
+)
+def test_pack_rgb_equals_a_contiguous_copy(level, h, w, pad):
+    """RGB held in 4-byte pixels (rows `pad` pixels apart beyond the row) packed to 3 bytes a
+    pixel: torch's contiguous copy, byte for byte, the row tails included, nothing written past
+    the rows."""
+    g = torch.Generator().manual_seed(h * 1000 + w)
+    full = torch.randint(0, 256, (h, w + pad, 4), dtype=torch.uint8, generator=g)
+    pixels = full[:, :w, :3]
+    out = torch.full((h * w * 3 + 64,), 0xA5, dtype=torch.uint8)
+    assert kernels.pack_rgb(pixels.data_ptr(), pixels.stride(0), w, h, out.data_ptr(), level=level)
+    assert torch.equal(out[: h * w * 3], pixels.contiguous().view(-1))
+    assert bool((out[h * w * 3 :] == 0xA5).all())
