@@ -1,6 +1,7 @@
 """The cluster harness itself: hosts reach each other only over their links, a cut link drops
-packets (a connect hangs until its timeout instead of being refused), tbf holds a link to its
-rate, the links count their bytes, and nothing of a run outlives it."""
+packets (a connect hangs until its timeout instead of being refused), a host refusing another's
+connections does so one way, tbf holds a link to its rate, the links count their bytes, and
+nothing of a run outlives it."""
 
 from __future__ import annotations
 
