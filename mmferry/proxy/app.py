@@ -37,9 +37,11 @@ from mmferry.proxy.paths import CanonicalPaths, engine_path, refused_route
 from mmferry.server.app import import_fastapi
 from mmferry.server.bodies import check_caller, dump_json, linger, read_body
 from mmferry.server.disconnect import unless_disconnected
+from mmferry.server.hot import HotRoutes
 from mmferry.server.intake import Intake
 from mmferry.server.limits import RequestError
 from mmferry.server.sources import source_policy
+from mmferry.server.streamed import Streamed
 
 log = logging.getLogger("mmferry.proxy")
 CHAT = "/v1/chat/completions"
@@ -126,10 +128,9 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
     """The proxy's ASGI app (Starlette); `state` lets the runner drain it."""
     import_fastapi()  # NOTE: the server extra's check; the routes are Starlette's own
     from starlette.applications import Starlette
-    from starlette.background import BackgroundTask
     from starlette.middleware import Middleware
     from starlette.requests import ClientDisconnect
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     state = state or ProxyState(config)
@@ -240,13 +241,13 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
                 await upstream.aclose()  # closes the connection: the engine aborts
             await finish()
 
-        body = relay(upstream, t0, metrics.ttft_seconds.observe, done)
-        return StreamingResponse(
-            body,
-            status_code=upstream.response.status_code,
-            headers=response_headers(upstream.response),
-            # NOTE: also when the stream never started (the client left first).
-            background=BackgroundTask(done),
+        # NOTE: `done` also when the answer never started (the client left first).
+        return Streamed(
+            upstream.response.status_code,
+            response_headers(upstream.response),
+            relay(upstream, t0, metrics.ttft_seconds.observe, done),
+            upstream.whole,
+            done,
         )
 
     async def chat(request: Any, body: Any) -> Any:
@@ -406,14 +407,17 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
 
     # NOTE: plain Starlette routes, not FastAPI's (its request and response layers, a
     # dependency solver and three middlewares, cost a request more than the proxy's own work).
+    chat_route = intake.route(chat)
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
-        Route(CHAT, intake.route(chat), methods=["POST"]),
+        Route(CHAT, chat_route, methods=["POST"]),
         Route("/{path:path}", other, methods=METHODS),
     ]
     # NOTE: routes are matched, and requests forwarded, by the path the engine will route.
     middleware = [Middleware(CanonicalPaths, refuse=intake.refuse)]
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     app.state.mmferry = state
-    return app
+    # A chat request whose path is already canonical skips the middleware and the router
+    # (the same endpoint either way); any other spelling of it takes them.
+    return HotRoutes(app, {("POST", CHAT): chat_route})

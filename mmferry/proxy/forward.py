@@ -132,6 +132,10 @@ class Answer:
                 return False
         return False
 
+    def whole(self) -> bool:
+        """Whether the chunks read so far are the whole body."""
+        return self.response.at_eof()
+
     async def aclose(self) -> None:
         if self._verdict is not None and not self._verdict.done():
             self._verdict.cancel()

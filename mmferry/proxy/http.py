@@ -50,6 +50,10 @@ class Reply:
             self._response.release()
         return self
 
+    def at_eof(self) -> bool:
+        """Whether every byte of the body has been read."""
+        return self._response.content.at_eof()
+
     def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body's chunks as they arrive, as the peer wrote them."""
         return self._response.content.iter_any()

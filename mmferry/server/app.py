@@ -15,6 +15,7 @@ from typing import Any
 
 from mmferry.server.bodies import LOCAL_HOSTS, RETRY_AFTER_S
 from mmferry.server.ec import add_cache_routes
+from mmferry.server.hot import hot_routes
 from mmferry.server.intake import Intake
 from mmferry.server.service import EncoderService
 from mmferry.server.sglang_routes import add_sglang_routes
@@ -103,4 +104,4 @@ def create_app(service: EncoderService, state: AppState | None = None) -> Any:
     add_cache_routes(app, service, intake)
     # SGLang's `--language-only --encoder-urls` servers: /encode, /scheduler_receive_url.
     sglang = add_sglang_routes(app, service, intake)
-    return app
+    return hot_routes(app)

@@ -28,6 +28,7 @@ from mmferry.server.bodies import (
 from mmferry.server.disconnect import unless_disconnected
 from mmferry.server.json_child import JsonChild
 from mmferry.server.limits import RequestError
+from mmferry.server.streamed import Streamed
 
 log = logging.getLogger("mmferry.server")
 
@@ -163,7 +164,7 @@ class Intake:
                     self.count_in_flight(-1)
                 else:
                     state.serving -= 1
-            if not isinstance(result, Response):
+            if not isinstance(result, (Response, Streamed)):
                 result = JSONResponse(result)
             self.count(request, result.status_code)  # the proxy relays the engine's status
             return result
@@ -172,4 +173,5 @@ class Intake:
         # hand the raw request over, so it is set before the route is registered.
         endpoint.__annotations__["request"] = fastapi.Request
         endpoint.__name__ = getattr(handler, "__name__", "endpoint")
+        endpoint.answers_all = True  # type: ignore[attr-defined]  # what hot_routes takes
         return endpoint

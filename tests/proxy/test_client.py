@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from typing import Any
@@ -95,3 +96,71 @@ def test_the_body_the_engine_gets_has_the_clients_values(front):
     assert sent["seed"] == 10**30 and type(sent["seed"]) is int
     assert sent["user"] == "\ud800x"
     assert sent["messages"] == text_body()["messages"]
+
+
+class Streams(BaseHTTPRequestHandler):
+    """A chat answer whole (JSON with its length), or on `/v1/events` two server-sent events,
+    the second only once the test has seen the first (`released`), or 204 on `/v1/empty`."""
+
+    released = threading.Event()
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path == "/v1/empty":
+            self.send_response(204)
+            self.end_headers()
+            return
+        if self.path != "/v1/events":
+            answer = b'{"id": "whole", "choices": []}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()  # HTTP/1.0: the body ends when the connection closes
+        self.wfile.write(b"data: 1\n\n")
+        self.wfile.flush()
+        Streams.released.wait(10)
+        self.wfile.write(b"data: 2\n\n")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def streams() -> Iterator[Proc]:
+    with loopback_server(Streams) as engine:
+        dead = f"http://127.0.0.1:{free_port()}"
+        p = proxy(f"http://{engine}", [dead], "connector").start()
+        try:
+            yield p
+        finally:
+            p.stop()
+
+
+def test_a_whole_answer_goes_out_with_its_length(streams):
+    r = httpx.post(streams.url + CHAT, json=text_body(), timeout=30)
+    assert r.status_code == 200
+    assert r.content == b'{"id": "whole", "choices": []}'
+    assert r.headers["content-length"] == str(len(r.content))
+    assert "transfer-encoding" not in r.headers
+    r = httpx.post(streams.url + "/v1/empty", json={}, timeout=30)
+    assert r.status_code == 204 and r.content == b""
+    assert "content-length" not in r.headers
+
+
+def test_a_stream_goes_out_as_it_arrives(streams):
+    Streams.released.clear()
+    with httpx.stream("POST", streams.url + "/v1/events", json={}, timeout=30) as r:
+        assert r.status_code == 200
+        chunks = r.iter_raw()
+        first = next(chunks)
+        # Held back until the client has the first event: a proxy that waited for the whole
+        # answer would hand over both at once, ten seconds later.
+        assert first == b"data: 1\n\n"
+        Streams.released.set()
+        assert b"".join(chunks) == b"data: 2\n\n"
+    assert "content-length" not in r.headers
