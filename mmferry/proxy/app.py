@@ -81,9 +81,18 @@ class ProxyState:
 class ProxyIntake(Intake):
     """server/intake.py for the proxy: answers counted by route, in the engine's error shape."""
 
+    def __init__(self, state: Any, config: Any, metrics: Any) -> None:
+        super().__init__(state, config, metrics)
+        self._counters: dict[tuple[str, int], Any] = {}
+
     def count(self, request: Any, status: int) -> None:
-        path = request.url.path if request is not None else ""
-        self.metrics.requests.labels(CHAT if path == CHAT else "other", str(status)).inc()
+        route = CHAT if request is not None and request.scope["path"] == CHAT else "other"
+        counter = self._counters.get((route, status))
+        if counter is None:  # NOTE: a labelled child looked up once: labels() costs a request
+            counter = self._counters[route, status] = self.metrics.requests.labels(
+                route, str(status)
+            )
+        counter.inc()
 
     def error_body(self, err: RequestError) -> dict:
         # The engine's error shape (OpenAI's), with the proxy's kind as its type.
@@ -248,6 +257,7 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
             relay(upstream, t0, metrics.ttft_seconds.observe, done),
             upstream.whole,
             done,
+            upstream.arrived,
         )
 
     async def chat(request: Any, body: Any) -> Any:

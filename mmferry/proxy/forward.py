@@ -136,6 +136,10 @@ class Answer:
         """Whether the chunks read so far are the whole body."""
         return self.response.at_eof()
 
+    def arrived(self) -> bool:
+        """Whether the whole body is in, so that relaying it waits on nothing."""
+        return self.response.arrived()
+
     async def aclose(self) -> None:
         if self._verdict is not None and not self._verdict.done():
             self._verdict.cancel()

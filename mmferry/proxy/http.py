@@ -54,6 +54,10 @@ class Reply:
         """Whether every byte of the body has been read."""
         return self._response.content.at_eof()
 
+    def arrived(self) -> bool:
+        """Whether every byte of the body has been received (read or not)."""
+        return self._response.content.is_eof()
+
     def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body's chunks as they arrive, as the peer wrote them."""
         return self._response.content.iter_any()

@@ -20,6 +20,7 @@ LOCAL_HOSTS = ("127.0.0.1", "::1", "localhost")
 # Values in one JSON body, bounded from its count of ',', '[' and '{' (those in strings too):
 # 16 videos of 3,600 data-URL frames are 115,200.
 MAX_JSON_VALUES = 1 << 17
+_VECTOR_BYTES = 16 << 10  # json_values counts bodies from this size with numpy
 
 
 def api_key(headers: Any) -> str:
@@ -137,7 +138,14 @@ def json_error(kind: int, detail: str = "") -> RequestError:
 def json_values(raw: bytes | bytearray) -> int:
     """At least the number of values in `raw` less one (every value after the first follows a
     `,` or opens with `[` or `{`), counted without parsing: a bound on what parsing costs."""
-    return raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    if len(raw) < _VECTOR_BYTES:
+        return raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    import numpy as np
+
+    # NOTE: numpy compares a body's bytes in vector registers; bytes.count walks them one at a
+    # time (a 160 KB body of four base64 images: 45-65 against 240-250 us for the three counts).
+    b = np.frombuffer(raw, np.uint8)
+    return sum(int(np.count_nonzero(b == c)) for c in b",[{")
 
 
 # Bodies of at most this many values (a chat request with its media: a few dozen) are parsed

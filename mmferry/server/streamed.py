@@ -22,7 +22,8 @@ _BODYLESS = frozenset({204, 304})
 class Streamed:
     """The answer's status, headers (lower-case names, one value each) and `chunks`;
     `whole()` says whether the chunks read so far are all of the body; `close()` runs once the
-    answer has ended, however it ended (finished, failed, or the client gone)."""
+    answer has ended, however it ended (finished, failed, or the client gone); `arrived()`,
+    whether the whole body is in already (then sending it waits on nothing but the client)."""
 
     def __init__(
         self,
@@ -31,18 +32,25 @@ class Streamed:
         chunks: AsyncIterator[bytes],
         whole: Callable[[], bool],
         close: Callable[[], Awaitable[None]],
+        arrived: Callable[[], bool] = lambda: False,
     ) -> None:
         self.status_code = status_code
         self.headers = headers
         self.chunks = chunks
         self.whole = whole
         self.close = close
+        self.arrived = arrived
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         from starlette.requests import ClientDisconnect
 
         try:
-            await unless_disconnected(receive, self._send(scope, send))
+            if self.arrived():
+                # NOTE: no watcher: the answer is in, and a client gone meanwhile makes the
+                # server drop what is sent (most answers that are not streams come so).
+                await self._send(scope, send)
+            else:
+                await unless_disconnected(receive, self._send(scope, send))
         except ClientDisconnect:
             pass  # the client left: closing the answer below closes the engine's request
         finally:

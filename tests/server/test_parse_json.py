@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mmferry.server import bodies
 from mmferry.server.bodies import FAST_VALUES, NotFinite, parse_json
 from mmferry.server.limits import RequestError
 
@@ -101,3 +102,16 @@ def test_a_spoiled_body_reads_or_fails_as_with_json(value, at, junk):
 def test_a_body_of_many_values_is_parsed_as_before():
     raw = json.dumps({"v": [1 << 70, 0.5] * FAST_VALUES}).encode()
     check(raw)
+
+
+@pytest.mark.parametrize("size", [0, 1, (16 << 10) - 1, 16 << 10, (16 << 10) + 1, 200_003])
+def test_the_value_bound_counts_every_comma_bracket_and_brace(size):
+    # Below and past the size from which the count is vectorised, bytes and bytearray alike,
+    # against a count one byte at a time.
+    import random
+
+    rng = random.Random(size)
+    raw = bytes(rng.choice(b',[{}]":ab') for _ in range(size))
+    plain = sum(byte in b",[{" for byte in raw)
+    assert bodies.json_values(raw) == plain
+    assert bodies.json_values(bytearray(raw)) == plain
