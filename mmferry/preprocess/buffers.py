@@ -100,6 +100,9 @@ class HostBufferCache:
         self._returned: collections.deque[mmap.mmap] = collections.deque()
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._lent = 0  # mappings whose tensors may still be alive
+        # Mappings idle since before this are to be unmapped: also those out of `_idle` while
+        # madvise runs on them, when a release came meanwhile.
+        self._unmap_before = -math.inf
         self._reaper: threading.Thread | None = None
         self.hits = 0
         self.misses = 0
@@ -176,6 +179,7 @@ class HostBufferCache:
                 total -= len(idle.mapping)
             if older_than is not None:
                 cutoff = now - older_than
+                self._unmap_before = max(self._unmap_before, cutoff)
                 dropped += [i.mapping for i in self._idle if i.since <= cutoff]
                 self._idle = [i for i in self._idle if i.since > cutoff]
             if lazy_after is not None:
@@ -190,7 +194,11 @@ class HostBufferCache:
             dropped += failed
             with self._lock:
                 for i in lazy:
-                    if i.mapping not in failed:
+                    if i.mapping in failed:  # unmapped below, as before
+                        continue
+                    if i.since <= self._unmap_before:  # a release came while it was out
+                        dropped.append(i.mapping)
+                    else:
                         i.lazy = True
                         self._idle.append(i)
                 self._idle.sort(key=lambda i: i.since)

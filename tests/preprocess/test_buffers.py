@@ -157,6 +157,25 @@ def test_an_idle_buffer_gives_its_pages_to_the_kernel_and_is_reused_after(cache)
     assert cache.cached_bytes >= 16 * MIB and cache.lazy_bytes == 0
 
 
+def test_a_release_while_pages_are_being_freed_unmaps_them_too(cache, monkeypatch):
+    """`release_host_cache()` made while the reaper gives a mapping MADV_FREE (the mapping is
+    out of the cache meanwhile) still unmaps it, instead of the reaper putting it back."""
+    real = buffers._free_lazily
+
+    def released_meanwhile(mappings):
+        failed = real(mappings)
+        assert buffers.release_host_cache() == 0  # nothing in the cache right now
+        return failed
+
+    monkeypatch.setattr(buffers, "_free_lazily", released_meanwhile)
+    a = empty_host((8 * MIB,), torch.uint8)
+    del a
+    gc.collect()
+    assert cache.cached_bytes > 0
+    cache._settle(lazy_after=0.0)  # the reaper's lazy step, with a release during madvise
+    assert cache.cached_bytes == 0
+
+
 def test_release_now(cache):
     a = empty_host((8 * MIB,), torch.uint8)
     del a
