@@ -487,9 +487,10 @@ def mmferry_stages(pils: list, cfg) -> dict[str, float]:
     one thread: the pixels out of Pillow, the resize, the patch rows (the normalise and the
     write in one pass), the key.
 
-    NOTE: two passes, the second timed: the first refills the buffer cache, which frees its
-    pages after 10 s idle (buffers.py), as it does during the baseline's turn. The images
-    part times whole calls with whatever the cache holds."""
+    NOTE: two passes, the second timed: the first refills the buffer cache, which gives its
+    pages MADV_FREE after 10 s idle and unmaps them after 300 s (buffers.py), as may happen
+    during the baseline's turn. The images part times whole calls with whatever the cache
+    holds."""
     out = dict.fromkeys(("pixels", "resize", "rows hf", "rows compact-u8", "key"), 0.0)
 
     def clock(name: str, fn):
