@@ -77,18 +77,7 @@ def main() -> None:
         ]
         env = sglang_env(**ffmpeg_env(work / "ffmpeg"), SGLANG_HOST_IP=l.addr)
         proc = l.popen(cmd, env=env, log=work / "sglang.log")
-        lurl = f"http://{l.addr}:30000"
-        deadline = time.monotonic() + 400
-        while True:
-            try:
-                if httpx.get(f"{lurl}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, (
-                work / "sglang.log"
-            ).read_text()[-3000:]
-            time.sleep(2)
+        lurl = stack.healthy("SGLang", f"http://{l.addr}:30000", proc, work / "sglang.log", 400)
 
         def gen(p):
             body = {

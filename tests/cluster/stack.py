@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -111,14 +112,20 @@ def vllm(net: Net, host: Host, model: Path, connector: dict, timeout_s: float = 
     log = net.work / f"vllm-{host.name}.log"
     proc = host.popen(cmd, env=env, log=log, cwd=net.work)
     url = f"http://{host.addr}:{port}"
+    return healthy("vLLM", url, proc, log, timeout_s)
+
+
+def healthy(name: str, url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
+    """`url` once its /health answers 200; RuntimeError with the log's end if `proc` exits or
+    `timeout_s` passes first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited:\n{log.read_text()[-4000:]}")
+            raise RuntimeError(f"{name} exited:\n{log.read_text()[-4000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return url
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise RuntimeError(f"vLLM did not start:\n{log.read_text()[-4000:]}")
+    raise RuntimeError(f"{name} did not start:\n{log.read_text()[-4000:]}")

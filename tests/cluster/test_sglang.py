@@ -51,16 +51,7 @@ def site(make_net, tmp_path_factory):
     env = sglang_env(**ffmpeg_env(work / "ffmpeg"), SGLANG_HOST_IP=l.addr)
     log = net.work / "sglang.log"
     proc = l.popen(cmd, env=env, log=log, cwd=work)
-    url = f"http://{l.addr}:{PORT}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(1)
+    url = stack.healthy("SGLang", f"http://{l.addr}:{PORT}", proc, log, START_TIMEOUT_S)
     return SimpleNamespace(net=net, urls=urls, url=url, paths=paths, log=log)
 
 

@@ -47,15 +47,20 @@ class Engine(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(scope="module")
-def front() -> Iterator[Proc]:
-    with loopback_server(Engine) as engine:
+def _front(engine_handler: type[BaseHTTPRequestHandler]) -> Iterator[Proc]:
+    """The proxy in front of an engine answering with `engine_handler` (no encoder up)."""
+    with loopback_server(engine_handler) as engine:
         dead = f"http://127.0.0.1:{free_port()}"
         p = proxy(f"http://{engine}", [dead], "connector").start()
         try:
             yield p
         finally:
             p.stop()
+
+
+@pytest.fixture(scope="module")
+def front() -> Iterator[Proc]:
+    yield from _front(Engine)
 
 
 def text_body(**extra: Any) -> dict:
@@ -132,13 +137,7 @@ class Streams(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def streams() -> Iterator[Proc]:
-    with loopback_server(Streams) as engine:
-        dead = f"http://127.0.0.1:{free_port()}"
-        p = proxy(f"http://{engine}", [dead], "connector").start()
-        try:
-            yield p
-        finally:
-            p.stop()
+    yield from _front(Streams)
 
 
 def test_a_whole_answer_goes_out_with_its_length(streams):
