@@ -163,6 +163,22 @@ class LanguageServer(SglangServer):
         return httpx.post(f"{self.url}/generate", json=body, timeout=600)
 
 
+# The same weights in float32 on both sides; the towers' kernels differ, so their logprobs
+# agree to float32 rounding carried through two layers, not bit for bit.
+LOGPROB_TOL = 1e-4
+
+
+def close(a: tuple, b: tuple) -> None:
+    """Two `answer`s alike: the same greedy tokens and top tokens, logprobs within the bound."""
+    tokens_a, top_a = a
+    tokens_b, top_b = b
+    assert tokens_a == tokens_b
+    for step_a, step_b in zip(top_a, top_b, strict=True):
+        assert [t for t, _ in step_a] == [t for t, _ in step_b]
+        for (_, la), (_, lb) in zip(step_a, step_b):
+            assert abs(la - lb) <= LOGPROB_TOL, (step_a, step_b)
+
+
 def answer(r: httpx.Response) -> tuple[list[int], list[list[tuple[int, float]]]]:
     """(greedy token ids, each step's top logprobs as (id, logprob)) of a /generate answer."""
     assert r.status_code == 200, r.text[:2000]

@@ -46,6 +46,7 @@ from tests.engines.sglang_epd import (
     LanguageServer,
     SglangServer,
     answer,
+    close,
     metric,
     start_encoders,
     write_png,
@@ -57,9 +58,6 @@ from tests.store import cluster
 
 # Three SGLang servers start with each family: minutes on two cores shared with other work.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
-# The same weights in float32 on both sides; the towers' kernels differ, so their logprobs
-# agree to float32 rounding carried through two layers, not bit for bit.
-LOGPROB_TOL = 1e-4
 FAMILIES = ("qwen3_vl", "qwen2_5_vl")
 REFERENCE = "zmq_to_tokenizer"  # the backend SGLang's own encoder is run over
 COMBOS = [(f, b) for f in FAMILIES for b in (REFERENCE, "zmq_to_scheduler")]
@@ -214,16 +212,6 @@ def epd(request, families) -> Epd:
     family, backend = request.param
     fam = families.get(family)
     return Epd(fam, backend, fam.langs[backend])
-
-
-def close(a, b) -> None:
-    tokens_a, top_a = a
-    tokens_b, top_b = b
-    assert tokens_a == tokens_b
-    for step_a, step_b in zip(top_a, top_b, strict=True):
-        assert [t for t, _ in step_a] == [t for t, _ in step_b]
-        for (_, la), (_, lb) in zip(step_a, step_b):
-            assert abs(la - lb) <= LOGPROB_TOL, (step_a, step_b)
 
 
 @pytest.fixture(scope="module")
