@@ -180,8 +180,10 @@ def event_verdict(event: bytes) -> bool | None:
 
 
 async def _chunks(answer: Answer) -> AsyncIterator[bytes]:
-    for chunk in answer.head:
-        yield chunk
+    # NOTE: what the verdict read comes out as one chunk, so that "the chunks read so far"
+    # (`Answer.whole`) never leaves some of it behind.
+    if answer.head:
+        yield b"".join(answer.head)
     async for chunk in answer.chunks:
         yield chunk
 

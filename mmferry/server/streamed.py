@@ -32,7 +32,7 @@ class Streamed:
         chunks: AsyncIterator[bytes],
         whole: Callable[[], bool],
         close: Callable[[], Awaitable[None]],
-        arrived: Callable[[], bool] = lambda: False,
+        arrived: Callable[[], bool],
     ) -> None:
         self.status_code = status_code
         self.headers = headers
@@ -69,14 +69,12 @@ class Streamed:
             )
             if once:
                 headers.append((b"content-length", str(len(first)).encode()))
-                await send(
-                    {"type": "http.response.start", "status": self.status_code, "headers": headers}
-                )
-                await send({"type": "http.response.body", "body": first})
-                return
             await send(
                 {"type": "http.response.start", "status": self.status_code, "headers": headers}
             )
+            if once:
+                await send({"type": "http.response.body", "body": first})
+                return
             if first:
                 await send({"type": "http.response.body", "body": first, "more_body": True})
             async for chunk in chunks:
