@@ -37,6 +37,7 @@ from mmferry.server.encoded import EncodedItem, to_bytes
 from mmferry.server.limits import Limits, RequestError, shown
 from mmferry.server.metrics import Metrics
 from mmferry.server.remote import RemoteFetcher
+from mmferry.server.sglang_push import CONNECT_S
 from mmferry.server.sources import (
     check_frame,
     check_frame_count,
@@ -77,7 +78,7 @@ class ServiceConfig:
     body_timeout_s: float = 30.0  # a request body must arrive in full within this (408)
     header_timeout_s: float = 10.0  # a request's headers must arrive within this (408)
     # SGLang's /encode: its receive address must be connected within this (sglang_push.py).
-    sglang_connect_s: float = 2.0
+    sglang_connect_s: float = CONNECT_S
     max_uploads: int = 64  # request bodies arriving at once; the next one gets 503
     # A shared store of encoder outputs (mooncake://...; mmferry/store/) and the checkpoint
     # folder (or random tower's name) whose identity keys it; None: this service's cache only.

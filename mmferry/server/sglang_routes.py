@@ -24,7 +24,7 @@ from mmferry.chat.parts import VIDEO_KEYS
 from mmferry.embed.packed import packed_rows
 from mmferry.server.intake import Intake
 from mmferry.server.limits import RequestError, shown
-from mmferry.server.sglang_push import CONNECT_S, Destinations, Link, Pusher, Unreachable, tcp
+from mmferry.server.sglang_push import Destinations, Link, Pusher, Unreachable, tcp
 from mmferry.server.sglang_wire import DTYPES, MODALITIES, Part, error_message, rows_message
 
 log = logging.getLogger("mmferry.server")
@@ -140,8 +140,7 @@ class SglangRoutes:
     def pusher(self) -> Pusher:
         if self._pusher is None:
             try:
-                connect_s = getattr(self.service.config, "sglang_connect_s", CONNECT_S)
-                self._pusher = Pusher(connect_s=connect_s)
+                self._pusher = Pusher(connect_s=self.service.config.sglang_connect_s)
             except ImportError as e:
                 raise RequestError(501, "missing_extra", str(e)) from None
         return self._pusher
