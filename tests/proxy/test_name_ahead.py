@@ -154,6 +154,11 @@ def test_items_held_as_named_leave_the_engines_answer_standing(front, engine, li
     assert named["image_embeds"]["image_grid_thw"] == body["announced"][0]["grid_thw"]
 
 
+def named_ahead(part: dict) -> bool:
+    """Whether the part carries a name the proxy gave ahead of the encoder (index 0 of one)."""
+    return "uuid" in part and parse_item_name(part["uuid"])[2] == 0
+
+
 @pytest.mark.parametrize(
     "answer",
     [
@@ -171,10 +176,11 @@ def test_items_not_held_as_named_send_the_request_again_the_usual_way(front, eng
     liar.answer("encode", answer)
     r = chat(front, [PIC, TEXT])
     assert r.status_code == 200, r.text
-    first, second = engine.take()
-    assert parse_item_name(parts(first)[0]["uuid"])[2] == 0  # named ahead
-    again = parts(second)[0]
-    assert again.get("uuid") is None or parse_item_name(again["uuid"])[2] is None
+    # Two connections: which of them the engine's threads record first is not the proxy's
+    # to decide (an encoder that fails at once has the second sent before the first is read).
+    named, again = sorted((parts(r)[0] for r in engine.take()), key=named_ahead, reverse=True)
+    assert named_ahead(named)
+    assert not named_ahead(again)
     assert scrape(front.url, "mmferry_proxy_named_ahead_total", outcome="redone") == 1
 
 
