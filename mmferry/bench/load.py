@@ -167,7 +167,9 @@ def rss_bytes(pid: int) -> int:
 
 def start(cmd: list[str], root: Path = ROOT) -> tuple[subprocess.Popen, str]:
     """A server subprocess (mmferry imported from `root`) and the URL it prints once listening."""
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    # NOTE: PYTHONSAFEPATH: `python -m` puts the working directory ahead of PYTHONPATH, and a
+    # baseline checkout's server started from this one would run this one's code.
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONSAFEPATH": "1"}
     env.pop("MMFERRY_API_KEY", None)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

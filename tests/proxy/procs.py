@@ -210,7 +210,9 @@ class Proc:
 
     def start(self, timeout_s: float = 300) -> Proc:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MMFERRY_")}
-        env.update(PYTHONPATH=str(self.root), **self.env)
+        # NOTE: PYTHONSAFEPATH: `python -m` puts the working directory ahead of PYTHONPATH,
+        # and a baseline checkout's process started from this one would run this one's code.
+        env.update(PYTHONPATH=str(self.root), PYTHONSAFEPATH="1", **self.env)
         self.lines = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", self.module, *self.args],
