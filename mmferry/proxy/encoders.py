@@ -34,7 +34,8 @@ from mmferry.config import ProcessorConfig
 from mmferry.proxy.ahead import PROCESSOR, processor_config, same_item
 from mmferry.proxy.answers import BadEncoderAnswer, encode_facts, loaded_rows
 from mmferry.proxy.config import ProxyConfig
-from mmferry.proxy.http import Client, transport_errors
+from mmferry.proxy.http import transport_errors
+from mmferry.proxy.whole_calls import WholeCalls
 from mmferry.proxy.media import (
     Encoded,
     Media,
@@ -101,9 +102,8 @@ class EncoderPool:
         # NOTE: every call gets one deadline for all of it (`_post`), not one a read: an
         # encoder that sends its answer a byte at a time cannot hold the request past
         # `encoder_timeout_s`, and the call sets one timer, not one a read.
-        self.http = Client(
+        self.http = WholeCalls(
             connect_timeout_s=config.connect_timeout_s,
-            read_timeout_s=None,
             headers={"Authorization": f"Bearer {key}"} if key else {},
         )
         self._transport_errors = transport_errors()
@@ -229,7 +229,7 @@ class EncoderPool:
                 r = await self.http.call("POST", url + route, dump_json(body), json=True)
         except self._transport_errors as e:
             self._down(url)
-            if type(e) is TimeoutError:  # the call's own deadline (a connect timeout is aiohttp's)
+            if type(e) is TimeoutError:  # the call's own deadline (a connect timeout is its own)
                 raise _Failed("timeout", f"no whole answer within {limit_s:g} s") from None
             raise _Failed(type(e).__name__, str(e)) from None
         finally:

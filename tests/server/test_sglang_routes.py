@@ -8,12 +8,10 @@ reader is in tests/engines/test_sglang_wire.py."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import io
 import os
 import pickle
-import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,6 +23,7 @@ import torch
 import zmq  # pyzmq, a dev dependency (the sglang extra): missing is a failure
 
 from mmferry.server.sglang_wire import EMBEDDING_DATA, MODALITY
+from mmferry.testing.ports import unreachable_port
 
 from .conftest import Server, start_server
 
@@ -263,36 +262,6 @@ def test_a_part_is_counted_sent_when_sglang_hangs_up_on_the_rows(media_dir, pull
     assert asyncio.run(run()) == 1
 
 
-@contextlib.contextmanager
-def receive_address(kind: str) -> Iterator[int]:
-    """A port on 127.0.0.1 where no ZMQ receiver will ever answer: nothing listens (`refused`),
-    a listener whose full accept queue makes the kernel drop every SYN (`silent`, as a firewall
-    does), or one that completes TCP's handshake and never speaks (`mute`)."""
-    held: list[socket.socket] = []
-    try:
-        lsock = socket.socket()
-        held.append(lsock)
-        lsock.bind(("127.0.0.1", 0))
-        port = lsock.getsockname()[1]
-        if kind == "refused":
-            lsock.close()
-        elif kind == "silent":
-            lsock.listen(0)
-            # The accept queue (one connection) full: the kernel drops the next SYNs.
-            for _ in range(2):
-                c = socket.socket()
-                held.append(c)
-                c.setblocking(False)
-                c.connect_ex(("127.0.0.1", port))
-            time.sleep(0.2)
-        else:
-            lsock.listen(8)
-        yield port
-    finally:
-        for s in held:
-            s.close()
-
-
 @pytest.mark.parametrize(
     "kind, cause",
     [("refused", "refused"), ("silent", "no answer"), ("mute", "no ZMQ handshake")],
@@ -303,7 +272,7 @@ def test_an_unreachable_receive_address_fails_the_part_within_the_connect_timeou
     """The connection to the address `/encode` names starts as the call arrives, beside the
     encode: one that is not up within `--sglang-connect-timeout` (2 s) fails the part with a
     502 naming the address and what the connect met, not after the send's 30 s."""
-    with receive_address(kind) as port:
+    with unreachable_port(kind) as port:
         t = time.monotonic()
         r = httpx.post(
             f"{server.url}/encode", json=body([str(media_dir / "img0.png")], port), timeout=60
@@ -354,7 +323,7 @@ def test_an_unreachable_receiver_leaves_no_socket_task_or_encode_behind(media_di
             before = 0
             # The first call starts ZMQ's own threads (and their descriptors): counted after it.
             for kind in ("refused", "silent", "refused"):
-                with receive_address(kind) as port:
+                with unreachable_port(kind) as port:
                     t = time.monotonic()
                     with pytest.raises(RequestError) as err:
                         await routes.encode(None, body([str(media_dir / "img0.png")], port))
@@ -421,7 +390,7 @@ def test_a_part_whose_receiver_is_unreachable_leaves_the_service_clean(media_dir
         routes = SglangRoutes(service)
         try:
             tasks = asyncio.all_tasks()
-            with receive_address("silent") as port:
+            with unreachable_port("silent") as port:
                 t = time.monotonic()
                 with pytest.raises(RequestError) as err:
                     await routes.encode(None, body([str(media_dir / "img1.png")], port))
