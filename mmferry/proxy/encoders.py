@@ -35,7 +35,6 @@ from mmferry.proxy.ahead import PROCESSOR, processor_config, same_item
 from mmferry.proxy.answers import BadEncoderAnswer, encode_facts, loaded_rows
 from mmferry.proxy.config import ProxyConfig
 from mmferry.proxy.http import transport_errors
-from mmferry.proxy.whole_calls import WholeCalls
 from mmferry.proxy.media import (
     Encoded,
     Media,
@@ -45,6 +44,7 @@ from mmferry.proxy.media import (
     origin_failed,
 )
 from mmferry.proxy.metrics import ProxyMetrics
+from mmferry.proxy.whole_calls import WholeCalls
 from mmferry.routing import Router
 from mmferry.server.bodies import dump_json
 from mmferry.server.limits import RequestError
