@@ -28,6 +28,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmferry.server.bodies import ReadCut
 from mmferry.server.run import serve_app
 
 MEDIA = ("image_url", "audio_url", "input_audio")
@@ -44,7 +45,7 @@ class FrontState:
     draining: bool = False
     in_flight: int = 0
     reading: int = 0
-    cut_reads: asyncio.Event = field(default_factory=asyncio.Event)
+    cut_reads: ReadCut = field(default_factory=ReadCut)
     calls: int = 0  # encoder requests sent
     failures: int = 0  # requests answered 502 (an encoder raised)
 

@@ -35,7 +35,7 @@ from mmferry.proxy.media import Media, as_pixels, by_reference, find_media, rewr
 from mmferry.proxy.metrics import ProxyMetrics
 from mmferry.proxy.paths import CanonicalPaths, engine_path, refused_route
 from mmferry.server.app import import_fastapi
-from mmferry.server.bodies import check_caller, dump_json, linger, read_body
+from mmferry.server.bodies import ReadCut, check_caller, dump_json, linger, read_body
 from mmferry.server.disconnect import unless_disconnected
 from mmferry.server.hot import HotRoutes
 from mmferry.server.intake import Intake
@@ -75,7 +75,7 @@ class ProxyState:
         self.reading = 0  # requests whose body is still arriving
         self.serving = 0  # read, not yet admitted (server/intake.py counts them)
         self.draining = False
-        self.cut_reads = asyncio.Event()  # set at the drain deadline (server/run.py)
+        self.cut_reads = ReadCut()  # set at the drain deadline (server/run.py)
 
 
 class ProxyIntake(Intake):

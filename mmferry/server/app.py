@@ -8,12 +8,11 @@ client that uploads slowly holds no queue slot.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from mmferry.server.bodies import LOCAL_HOSTS, RETRY_AFTER_S
+from mmferry.server.bodies import LOCAL_HOSTS, RETRY_AFTER_S, ReadCut
 from mmferry.server.ec import add_cache_routes
 from mmferry.server.hot import hot_routes
 from mmferry.server.intake import Intake
@@ -44,7 +43,7 @@ class AppState:
         self.reading = 0  # requests whose body is still arriving (not admitted yet)
         self.draining = False
         # Set at the drain deadline (run.py): bodies still arriving are cut with a 503.
-        self.cut_reads = asyncio.Event()
+        self.cut_reads = ReadCut()
 
     @property
     def busy(self) -> bool:

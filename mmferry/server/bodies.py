@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mmferry.server.limits import RequestError, shown, too_large
@@ -50,8 +51,49 @@ async def _collect(request: Any, limit: int) -> bytearray:
     return body
 
 
+class ReadCut:
+    """Set once, at a drain's deadline (run.py): every body still arriving then ends with a
+    503. Its readers are the tasks reading a body now; setting it cancels them (no task a
+    request waits on the cut: one would cost the read another task and a wait on both)."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._readers: set[asyncio.Task] = set()
+        self._cut: set[asyncio.Task] = set()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        for task in self._readers - self._cut:
+            self._cut.add(task)
+            task.cancel()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Callable[[], bool]]:
+        """The current task as a reader; yields whether the cut has cancelled it (then its
+        cancel is undone: the caller answers the 503 instead)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._readers.add(task)
+
+        def cut() -> bool:
+            if task not in self._cut:
+                return False
+            # NOTE: only the cut's own cancel is undone; another's (the client's disconnect,
+            # the server's stop) still stands and is raised.
+            return task.uncancel() == 0
+
+        try:
+            yield cut
+        finally:
+            self._readers.discard(task)
+            self._cut.discard(task)
+
+
 async def read_body(
-    request: Any, limit: int, timeout_s: float, cut: asyncio.Event, *, copy: bool = True
+    request: Any, limit: int, timeout_s: float, cut: ReadCut, *, copy: bool = True
 ) -> bytes | bytearray:
     """The whole body within `timeout_s` (408), under `limit` bytes (413), unless `cut` (503).
     `copy=False`: the bytearray it was read into, not copied into bytes (for a 32 MiB body,
@@ -59,28 +101,29 @@ async def read_body(
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large("the request body", int(declared), "max_request_bytes", limit)
-    # NOTE: one deadline for the whole body, not per read: a body that drips a byte at a time
-    # would pass any per-read timeout.
-    reading = asyncio.ensure_future(_collect(request, limit))
-    cutting = asyncio.ensure_future(cut.wait())
-    try:
-        done, _ = await asyncio.wait(
-            {reading, cutting}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
-        )
-    finally:
-        cutting.cancel()
-        reading.cancel()
-    if reading in done:
-        return bytes(reading.result()) if copy else reading.result()
-    if cutting in done:
-        raise RequestError(
-            503, "draining", "the server is shutting down; the request body had not arrived"
-        )
-    raise RequestError(
-        408,
-        "body_timeout",
-        f"the request body did not arrive within body_timeout_s={timeout_s:g} (--body-timeout)",
+    draining = RequestError(
+        503, "draining", "the server is shutting down; the request body had not arrived"
     )
+    if cut.is_set():
+        raise draining
+    # NOTE: one deadline for the whole body, not per read: a body that drips a byte at a time
+    # would pass any per-read timeout. Read in the request's own task.
+    with cut.reading() as was_cut:
+        try:
+            async with asyncio.timeout(timeout_s):
+                body = await _collect(request, limit)
+        except asyncio.CancelledError:
+            if was_cut():
+                raise draining from None
+            raise
+        except TimeoutError:
+            raise RequestError(
+                408,
+                "body_timeout",
+                f"the request body did not arrive within body_timeout_s={timeout_s:g} "
+                "(--body-timeout)",
+            ) from None
+    return bytes(body) if copy else body
 
 
 def check_json_type(content_type: str) -> None:
