@@ -45,9 +45,7 @@ class Upstream:
         # NOTE: the read timeout is per chunk: a long generation that keeps streaming is fine,
         # an engine that stops answering is not.
         self.http = Client(
-            connect_timeout_s=config.connect_timeout_s,
-            read_timeout_s=config.llm_timeout_s,
-            decompress=False,
+            connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.llm_timeout_s
         )
         self._base = config.llm_url.rstrip("/")
         self._errors = transport_errors()

@@ -68,7 +68,7 @@ def test_a_stream_read_whole_while_looking_for_its_first_output_is_relayed_whole
     async def main() -> list[dict]:
         server = await asyncio.start_server(engine, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        client = Client(connect_timeout_s=5, read_timeout_s=5, decompress=False)
+        client = Client(connect_timeout_s=5, read_timeout_s=5)
         try:
             answer = Answer(await client.send("POST", f"http://127.0.0.1:{port}/", body=b"{}"))
             assert await answer.failed_before_output() is False

@@ -1,6 +1,8 @@
-"""The proxy's whole-answer client toward the encoders (proxy/whole_calls.py), against raw
-asyncio servers that answer each request with scripted bytes: every framing HTTP/1.1 allows,
-kept-alive connections reused and never a broken one, and the peers that lie."""
+"""The proxy's HTTP/1.1 clients (proxy/wire.py): the encoders' whole-answer calls
+(whole_calls.py) and the engine's streamed answers (http.py), against raw asyncio servers that
+answer each request with scripted bytes: every framing HTTP/1.1 allows, kept-alive connections
+reused and never a broken one, a stream's bytes passed on as they arrive, and the peers that
+lie."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from mmferry.proxy.whole_calls import BadAnswer, ConnectTimeout, WholeCalls
+from mmferry.proxy.http import Client
+from mmferry.proxy.whole_calls import WholeCalls
+from mmferry.proxy.wire import BadAnswer, ConnectTimeout, ReadTimeout
 from mmferry.testing.ports import unreachable_port
 
 Answer = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
@@ -24,6 +28,7 @@ class Peer:
         self.requests: list[tuple[int, bytes, bytes]] = []  # (connection, head, body)
         self.connections = 0
         self.closed = 0
+        self.reader: asyncio.StreamReader | None = None
         self.server: asyncio.Server | None = None
 
     async def __aenter__(self) -> str:
@@ -36,6 +41,7 @@ class Peer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.reader = reader  # the latest connection's
         n = self.connections
         try:
             while True:
@@ -152,6 +158,21 @@ def test_an_answer_that_ends_with_its_connection_is_read_whole_and_not_reused(ra
     run(main)
 
 
+def test_interim_answers_are_passed_over():
+    early = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+
+    async def main() -> None:
+        peer = Peer(says(early, OK + b'{"a": 1}...'))
+        async with peer as url:
+            calls = WholeCalls(connect_timeout_s=2)
+            r = await calls.call("POST", url + "/encode", b"{}")
+            assert (r.status_code, r.content) == (200, b'{"a": 1}...')
+            assert "link" not in r.headers
+            await calls.aclose()
+
+    run(main)
+
+
 def test_a_kept_connection_the_peer_closed_while_it_idled_is_not_a_failure():
     """The peer answers with a length (keep-alive) and then closes while the connection idles,
     as uvicorn does past its keep-alive timeout: the next call goes on a new connection, sent
@@ -214,7 +235,7 @@ def test_a_kept_connection_that_ends_as_the_call_is_sent_has_the_call_sent_once_
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY", "CRLF"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\nab", "ended"),
-        (b"HTTP/1.1 100 Continue\r\n\r\n", "interim"),
+        (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n", "switching"),
         (b"HTTP/1.1 200 OK\r\nX: " + b"y" * 70_000, "head over"),
         (b"HTTP/1.1 200 OK\r\nX:", "within the answer's head"),
     ],
@@ -227,7 +248,7 @@ def test_an_answer_not_http_is_a_transport_error_and_its_connection_is_dropped(r
             with pytest.raises(BadAnswer, match=message) as e:
                 await calls.call("POST", url + "/encode", b"{}")
             assert isinstance(e.value, OSError)  # what the encoder pool counts as down
-            assert not any(calls._idle.values())
+            assert not any(calls._pool._idle.values())
             await calls.aclose()
 
     run(main)
@@ -301,3 +322,131 @@ def test_a_url_not_http_is_refused():
             await calls.call("GET", "ftp://127.0.0.1:1/health")
 
     run(main)
+
+
+def test_a_stream_passes_each_piece_on_as_it_arrives_and_keeps_its_connection():
+    """Chunks written a second apart reach the reader one by one, not at the end; `arrived`
+    and `at_eof` say what is in and what was read; the connection serves the next call."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    head += b"transfer-encoding: chunked\r\nset-cookie: a=1\r\nset-cookie: b=2\r\n\r\n"
+    events = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
+    gap_s = 0.3
+
+    async def answer(request: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(head)
+        for e in events:
+            writer.write(b"%x\r\n%s\r\n" % (len(e), e))
+            await writer.drain()
+            await asyncio.sleep(gap_s)
+        writer.write(b"0\r\n\r\n")
+
+    async def main() -> None:
+        async with Peer(answer) as url:
+            client = Client(connect_timeout_s=2, read_timeout_s=5)
+            for _ in range(2):
+                r = await client.send("POST", url + "/v1/chat/completions", {"x-a": "1"}, b"{}")
+                assert r.status_code == 200 and r.headers["set-cookie"] == "a=1, b=2"
+                got, times = [], []
+                t0 = time.monotonic()
+                async for piece in r.aiter_raw():
+                    got.append(piece)
+                    times.append(time.monotonic() - t0)
+                    if len(got) < len(events):
+                        assert not r.at_eof() and not r.arrived()
+                assert got == events
+                assert times[1] - times[0] > gap_s / 2  # the first came before the second
+                assert r.at_eof() and r.arrived()
+                await r.aclose()
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_whole_answer_in_one_read_has_arrived_and_ends_with_its_last_piece():
+    raw = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    raw += b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+
+    async def main() -> None:
+        peer = Peer(says(raw))
+        async with peer as url:
+            client = Client(connect_timeout_s=2, read_timeout_s=5)
+            for _ in range(2):
+                r = await client.send("GET", url + "/v1/models")
+                await asyncio.sleep(0.1)
+                assert r.arrived() and not r.at_eof()
+                pieces = r.aiter_raw()
+                assert await pieces.__anext__() == b"abc"
+                assert not r.at_eof()
+                assert await pieces.__anext__() == b"de"
+                assert r.at_eof()  # the last chunk taken with the last byte of data
+                await r.aclose()
+            await client.aclose()
+        assert peer.connections == 1
+
+    asyncio.run(main())
+
+
+def test_a_stream_left_midway_closes_its_connection_and_one_that_stalls_is_cut():
+    """The client leaves after the first event: the engine sees its connection close (and
+    aborts). A stream that stops sending fails after the read timeout."""
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    async def answer(request: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(head + b"3\r\none\r\n")
+        await writer.drain()
+        for _ in range(1500):  # until the client leaves (its FIN read as the body's end)
+            if peer.reader is not None and peer.reader.at_eof():
+                return
+            await asyncio.sleep(0.02)
+
+    async def main() -> None:
+        async with peer as url:
+            client = Client(connect_timeout_s=2, read_timeout_s=0.5)
+            r = await client.send("POST", url + "/v1/chat/completions", {}, b"{}")
+            pieces = r.aiter_raw()
+            assert await pieces.__anext__() == b"one"
+            await r.aclose()
+            for _ in range(50):
+                if peer.closed:
+                    break
+                await asyncio.sleep(0.02)
+            assert peer.closed == 1
+            r = await client.send("POST", url + "/v1/chat/completions", {}, b"{}")
+            t0 = time.monotonic()
+            with pytest.raises(ReadTimeout):
+                async for _ in r.aiter_raw():
+                    pass
+            assert 0.4 < time.monotonic() - t0 < 1.5
+            await r.aclose()
+            await client.aclose()
+        assert peer.connections == 2
+
+    peer = Peer(answer)
+    asyncio.run(main())
+
+
+def test_a_body_by_length_streams_and_an_empty_one_frees_its_connection_at_once():
+    async def answer(request: bytes, writer: asyncio.StreamWriter) -> None:
+        if request.startswith(b"DELETE"):
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nabc")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.write(b"def")
+
+    async def main() -> None:
+        peer = Peer(answer)
+        async with peer as url:
+            client = Client(connect_timeout_s=2, read_timeout_s=5)
+            r = await client.send("DELETE", url + "/x")
+            assert r.status_code == 204 and r.at_eof() and r.arrived()
+            r = await client.send("GET", url + "/x")
+            assert not r.arrived()
+            assert [p async for p in r.aiter_raw()] == [b"abc", b"def"]
+            assert r.at_eof()
+            await r.aclose()
+            await client.aclose()
+        assert peer.connections == 1
+
+    asyncio.run(main())
