@@ -64,6 +64,7 @@ from bench_setups import (  # noqa: E402
     build_model,
     config_line,
     leftover_shm,
+    pin,
     start_setup,
 )
 
@@ -371,7 +372,19 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"text-only, {name}: " + " | ".join(cells))
     for key, k in result["kill"].items():
         print(f"kill ({key}): {k['failed']} failed, {k['completed']} completed: {k['errors']}")
+    if "pinned" in result:
+        print(f"pinned: vLLM on CPUs {result['pinned']['engine']}, mmferry on "
+              f"{result['pinned']['front']}")  # fmt: skip
     print(f"\nload average: {result['load']}")
+
+
+def cpu_list(text: str) -> set[int]:
+    """`0-3,6` as {0, 1, 2, 3, 6}."""
+    out: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        out |= set(range(int(first), int(last or first) + 1))
+    return out
 
 
 def save(result: dict[str, Any], path: Path | None) -> None:
@@ -397,6 +410,11 @@ def main() -> None:
     p.add_argument("--text", action="store_true", help="text-only, (c) directly and proxied")
     p.add_argument("--text-rate", type=float, default=4.0)
     p.add_argument("--kill", action="store_true", help="the encoder-kill runs, at the low rate")
+    p.add_argument(
+        "--pin",
+        help="ENGINE:FRONT, CPU lists (as 0 or 0-3,6): vLLM's processes on ENGINE, mmferry's "
+        "(the proxy, the encoders) on FRONT, every thread",
+    )
     p.add_argument("--json", type=Path, help="write every run's figures here")
     default_logs = Path(tempfile.gettempdir()) / "bench-proxy-logs"
     p.add_argument("--logs", type=Path, default=default_logs, help="the processes' output")
@@ -420,6 +438,10 @@ def main() -> None:
         result["model"] = f"{args.model} checkpoint, {config_line(model)}"
         result["heavy"] = args.model != "tiny"
         with started(keys, model, tmp, args.logs) as setups:
+            if args.pin:
+                engine, front = (cpu_list(x) for x in args.pin.split(":"))
+                pin(setups, engine, front)
+                result["pinned"] = {"engine": sorted(engine), "front": sorted(front)}
             client = Client(model)
             try:
                 result["check"] = check_same(setups, model, args.images, args.image_size)

@@ -79,6 +79,25 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def pin_tree(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` and of the processes under it on `cpus` (threads and processes
+    started later inherit it from their parent)."""
+    for p in [pid, *descendants(pid)]:
+        with contextlib.suppress(OSError):  # gone meanwhile
+            for task in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(task), cpus)
+
+
+def pin(setups: list[Setup], engine: set[int], front: set[int]) -> None:
+    """Each set-up's vLLM processes on `engine`, mmferry's (the proxy, the encoders) on
+    `front`: an operator with cores to spare keeps the path's own CPU off the engine's."""
+    for s in setups:
+        for p in s.procs:
+            assert p.proc is not None
+            pin_tree(p.proc.pid, engine if isinstance(p, VllmServer) else front)
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL `pid` and everything under it, as a machine or container loss would."""
     for p in [pid, *descendants(pid)]:
