@@ -154,11 +154,12 @@ class Pool:
         self._ssl: ssl.SSLContext | None = None
 
     def idle(self, key: tuple[str, int, bool]) -> Connection | None:
-        """A kept connection still open, or None."""
+        """A kept connection still open, or None. One the peer wrote to while it idled is
+        closed: those bytes would be read as the next request's answer."""
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if conn.usable():
+            if conn.usable() and not conn.buffer:
                 return conn
             conn.close()
         return None

@@ -197,6 +197,25 @@ def test_a_kept_connection_the_peer_closed_while_it_idled_is_not_a_failure():
     run(main)
 
 
+def test_bytes_a_peer_writes_on_an_idle_connection_are_never_read_as_an_answer():
+    async def answer(head: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(OK + b'{"a": 1}...')
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"HTTP/1.1 500 Stale\r\nContent-Length: 0\r\n\r\n")
+
+    async def main() -> None:
+        async with Peer(answer) as url:
+            calls = WholeCalls(connect_timeout_s=2)
+            await calls.call("POST", url + "/encode", b"1")
+            await asyncio.sleep(0.2)  # the stray answer arrives while the connection idles
+            r = await calls.call("POST", url + "/encode", b"2")
+            assert r.status_code == 200
+            await calls.aclose()
+
+    run(main)
+
+
 def test_a_kept_connection_that_ends_as_the_call_is_sent_has_the_call_sent_once_more():
     """The peer's close crosses the next request on a kept connection (it answers a
     connection's first request only, then drops it unanswered): sent again on a new one."""
