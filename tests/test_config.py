@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import dataclasses
 import json
+import pickle
 
 import pytest
 import torch
@@ -132,3 +134,16 @@ def test_with_depth_keeps_the_taps_in_range():
     assert windowed.with_depth(3).fullatt_block_indexes == (2,)
     with pytest.raises(ValueError, match="at least 1"):
         qwen3.with_depth(0)
+
+
+def test_a_settings_fingerprint_is_every_setting_and_a_replaced_one_its_own():
+    from mmferry.config import ProcessorConfig
+
+    cfg = ProcessorConfig(family="qwen2_vl", patch_size=14)
+    first = cfg.fingerprint()
+    assert first == json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode()
+    assert cfg.fingerprint() is first  # made once
+    other = cfg.replace(min_pixels=cfg.min_pixels * 4)
+    assert json.loads(other.fingerprint())["min_pixels"] == cfg.min_pixels * 4
+    assert other == cfg.replace(min_pixels=cfg.min_pixels * 4)  # the kept bytes are no field
+    assert pickle.loads(pickle.dumps(cfg)).fingerprint() == first
