@@ -145,5 +145,7 @@ def test_a_settings_fingerprint_is_every_setting_and_a_replaced_one_its_own():
     assert cfg.fingerprint() is first  # made once
     other = cfg.replace(image_min_pixels=cfg.image_min_pixels * 4)
     assert json.loads(other.fingerprint())["image_min_pixels"] == cfg.image_min_pixels * 4
-    assert other == cfg.replace(image_min_pixels=cfg.image_min_pixels * 4)  # the kept bytes are no field
+    assert other == cfg.replace(
+        image_min_pixels=cfg.image_min_pixels * 4
+    )  # the kept bytes are no field
     assert pickle.loads(pickle.dumps(cfg)).fingerprint() == first
