@@ -83,3 +83,17 @@ def test_headers_are_read_off_the_event_loop(monkeypatch):
     assert loop_threads == [threading.current_thread()]
     assert opened, "no image header was read"
     assert threading.current_thread() not in opened
+
+
+def test_a_header_past_a_large_exif_block_still_sizes_the_item(asks):
+    # The frame header comes after 20 KB of EXIF: past the first slice of the payload decoded
+    # for it, within the second.
+    pixels = np.random.default_rng(3).integers(0, 256, (600, 800, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "JPEG", quality=80, exif=b"Exif\0\0" + b"\0" * 20_000)
+    raw = buf.getvalue()
+    assert raw.find(b"\xff\xc0") > 20_000  # the frame header (SOF0) after the EXIF block
+    url = "data:image/jpeg;base64," + base64.b64encode(raw).decode()
+    items = prepare({"content": [_part(url)]}, Limits(max_pixels=1_000_000))
+    assert len(items) == 1
+    assert asks == [scheduler_mod.image_bytes(600, 800, PROC.config, "compact-u8")]
