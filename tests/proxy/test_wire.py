@@ -307,7 +307,7 @@ def test_a_call_cancelled_by_its_deadline_closes_its_connection():
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(0.5):
                     await calls.call("POST", url + "/encode", b"{}")
-            assert time.monotonic() - t0 < 1.0
+            assert time.monotonic() - t0 < 2.5  # the deadline, not the slow answer (4 s)
             r = await calls.call("POST", url + "/encode", b"{}")
             assert r.content == b'{"a": 1}...'
             await asyncio.sleep(0.1)
@@ -328,7 +328,7 @@ def test_an_unreachable_peer_fails_within_the_connect_timeout(kind):
             expected = ConnectTimeout if kind == "silent" else ConnectionRefusedError
             with pytest.raises(expected):
                 await calls.call("GET", f"http://127.0.0.1:{port}/health")
-            assert time.monotonic() - t0 < 1.5
+            assert time.monotonic() - t0 < 3.0
             await calls.aclose()
 
     run(main)
@@ -435,7 +435,7 @@ def test_a_stream_left_midway_closes_its_connection_and_one_that_stalls_is_cut()
             with pytest.raises(ReadTimeout):
                 async for _ in r.aiter_raw():
                     pass
-            assert 0.4 < time.monotonic() - t0 < 1.5
+            assert 0.4 < time.monotonic() - t0 < 3.0
             await r.aclose()
             await client.aclose()
         assert peer.connections == 2
