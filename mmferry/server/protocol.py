@@ -1,5 +1,5 @@
-"""The HTTP/1.1 connection the service runs under uvicorn: h11's, with a deadline for each
-request's headers.
+"""The HTTP/1.1 connection the service and the proxy run under uvicorn: httptools' (h11's where
+it is not installed), with a deadline for each request's headers.
 
 uvicorn times a connection only while it idles between requests: a new connection that sends
 nothing, or headers a byte at a time, holds its socket for ever. Here a connection gets
@@ -28,7 +28,73 @@ def _answer(timeout_s: float) -> bytes:
 
 
 def header_deadline_protocol(timeout_s: float, on_timeout: Callable[[], None]) -> type:
-    """uvicorn's h11 protocol class with the header deadline; `on_timeout` counts each cut."""
+    """uvicorn's HTTP protocol class with the header deadline: httptools' (llhttp, compiled)
+    where it is installed, else h11's; `on_timeout` counts each cut."""
+    try:
+        import httptools  # noqa: F401 - only whether it is there
+    except ImportError:
+        return h11_header_deadline_protocol(timeout_s, on_timeout)
+    return httptools_header_deadline_protocol(timeout_s, on_timeout)
+
+
+def httptools_header_deadline_protocol(timeout_s: float, on_timeout: Callable[[], None]) -> type:
+    """uvicorn's httptools protocol class with the header deadline."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    answer = _answer(timeout_s)
+
+    class HeaderDeadlineProtocol(HttpToolsProtocol):
+        _header_timer: Any = None
+        _awaiting_headers = True  # a request's first byte came (or the connection opened)
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            # NOTE: the first byte of a request on a kept-alive connection starts its deadline;
+            # an idle connection is uvicorn's keep-alive timeout's to close.
+            self._awaiting_headers = True
+            if self._header_timer is None:
+                self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._awaiting_headers = False
+            self._disarm()
+            super().on_headers_complete()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing() or not self._awaiting_headers:
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                # A pipelined request stalled behind an answer still going out: the answer
+                # is not cut; the connection closes once it is sent.
+                self.cycle.keep_alive = False
+                return
+            on_timeout()
+            self.transport.write(answer)
+            self.transport.close()
+
+    return HeaderDeadlineProtocol
+
+
+def h11_header_deadline_protocol(timeout_s: float, on_timeout: Callable[[], None]) -> type:
+    """uvicorn's h11 protocol class with the header deadline."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
