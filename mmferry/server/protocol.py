@@ -27,6 +27,55 @@ def _answer(timeout_s: float) -> bytes:
     return head.encode() + body
 
 
+class _Deadline:
+    """The deadline's timer, for either protocol class (listed before it): armed when a
+    connection opens, `_headers_late` when it runs out."""
+
+    timeout_s = 0.0  # these three set by _timed
+    answer = b""
+    _header_timer: Any = None
+
+    @staticmethod
+    def on_timeout() -> None:
+        pass
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _arm(self) -> None:
+        self._disarm()
+        loop = self.loop  # type: ignore[attr-defined]
+        self._header_timer = loop.call_later(self.timeout_s, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        raise NotImplementedError
+
+    def _cut(self) -> None:
+        """The 408 written, the connection closed, the cut counted."""
+        self.on_timeout()
+        transport = self.transport  # type: ignore[attr-defined]
+        transport.write(self.answer)
+        transport.close()
+
+
+def _timed(cls: type, timeout_s: float, on_timeout: Callable[[], None]) -> type:
+    """`cls` (a _Deadline) given its deadline, its answer and what counts a cut."""
+    cls.timeout_s = timeout_s  # type: ignore[attr-defined]
+    cls.answer = _answer(timeout_s)  # type: ignore[attr-defined]
+    cls.on_timeout = staticmethod(on_timeout)  # type: ignore[attr-defined]
+    return cls
+
+
 def header_deadline_protocol(timeout_s: float, on_timeout: Callable[[], None]) -> type:
     """uvicorn's HTTP protocol class with the header deadline: httptools' (llhttp, compiled)
     where it is installed, else h11's; `on_timeout` counts each cut."""
@@ -41,19 +90,8 @@ def httptools_header_deadline_protocol(timeout_s: float, on_timeout: Callable[[]
     """uvicorn's httptools protocol class with the header deadline."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    answer = _answer(timeout_s)
-
-    class HeaderDeadlineProtocol(HttpToolsProtocol):
-        _header_timer: Any = None
+    class HeaderDeadlineProtocol(_Deadline, HttpToolsProtocol):
         _awaiting_headers = True  # a request's first byte came (or the connection opened)
-
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -68,15 +106,6 @@ def httptools_header_deadline_protocol(timeout_s: float, on_timeout: Callable[[]
             self._disarm()
             super().on_headers_complete()
 
-        def _arm(self) -> None:
-            self._disarm()
-            self._header_timer = self.loop.call_later(timeout_s, self._headers_late)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
         def _headers_late(self) -> None:
             self._header_timer = None
             if self.transport.is_closing() or not self._awaiting_headers:
@@ -86,11 +115,9 @@ def httptools_header_deadline_protocol(timeout_s: float, on_timeout: Callable[[]
                 # is not cut; the connection closes once it is sent.
                 self.cycle.keep_alive = False
                 return
-            on_timeout()
-            self.transport.write(answer)
-            self.transport.close()
+            self._cut()
 
-    return HeaderDeadlineProtocol
+    return _timed(HeaderDeadlineProtocol, timeout_s, on_timeout)
 
 
 def h11_header_deadline_protocol(timeout_s: float, on_timeout: Callable[[], None]) -> type:
@@ -98,19 +125,7 @@ def h11_header_deadline_protocol(timeout_s: float, on_timeout: Callable[[], None
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    answer = _answer(timeout_s)
-
-    class HeaderDeadlineProtocol(H11Protocol):
-        _header_timer: Any = None
-
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
+    class HeaderDeadlineProtocol(_Deadline, H11Protocol):
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             if self.conn.their_state is h11.IDLE:
@@ -121,21 +136,10 @@ def h11_header_deadline_protocol(timeout_s: float, on_timeout: Callable[[], None
             else:
                 self._disarm()  # the headers are in
 
-        def _arm(self) -> None:
-            self._disarm()
-            self._header_timer = self.loop.call_later(timeout_s, self._headers_late)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
         def _headers_late(self) -> None:
             self._header_timer = None
             if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
                 return
-            on_timeout()
-            self.transport.write(answer)
-            self.transport.close()
+            self._cut()
 
-    return HeaderDeadlineProtocol
+    return _timed(HeaderDeadlineProtocol, timeout_s, on_timeout)
