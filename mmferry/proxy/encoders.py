@@ -229,7 +229,7 @@ class EncoderPool:
                 r = await self.http.call("POST", url + route, dump_json(body), json=True)
         except self._transport_errors as e:
             self._down(url)
-            if type(e) is TimeoutError:  # the call's own deadline (a connect timeout is its own)
+            if type(e) is TimeoutError:  # the call's own deadline (a connect's is ConnectTimeout)
                 raise _Failed("timeout", f"no whole answer within {limit_s:g} s") from None
             raise _Failed(type(e).__name__, str(e)) from None
         finally:

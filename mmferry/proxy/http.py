@@ -56,12 +56,8 @@ class Reply:
 
     def _release(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        if self._head.keep and conn.usable() and not conn.buffer:
-            self._pool.keep(self._key, conn)
-        else:
-            conn.close()
+        if conn is not None:
+            self._pool.release(self._key, conn, self._head)
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None

@@ -49,10 +49,7 @@ class WholeCalls:
         except BaseException:
             conn.close()  # cancelled or cut short: never reused
             raise
-        if answer.keep and conn.usable() and not conn.buffer:
-            self._pool.keep(key, conn)
-        else:
-            conn.close()
+        self._pool.release(key, conn, answer)
         return WholeReply(answer.status, answer.headers, content)
 
     async def aclose(self) -> None:

@@ -164,10 +164,14 @@ class Pool:
             conn.close()
         return None
 
-    def keep(self, key: tuple[str, int, bool], conn: Connection) -> None:
-        """`conn` back for the next request, once its answer was read to its end."""
-        conn.read_timeout_s = None
-        self._idle.setdefault(key, []).append(conn)
+    def release(self, key: tuple[str, int, bool], conn: Connection, head: Head) -> None:
+        """`conn`, its answer read to its end, kept for the next request where its head and
+        state allow, else closed."""
+        if head.keep and conn.usable() and not conn.buffer:
+            conn.read_timeout_s = None
+            self._idle.setdefault(key, []).append(conn)
+        else:
+            conn.close()
 
     async def connect(self, key: tuple[str, int, bool]) -> Connection:
         host, port, tls = key
@@ -195,7 +199,7 @@ class Pool:
         read_timeout_s: float | None = None,
     ) -> tuple[Connection, Head]:
         """The request sent and its answer's head read, on a kept connection or a new one;
-        the connection is the caller's until its body is read (then `keep`) or it is closed.
+        the connection is the caller's until its body is read (then `release`) or it is closed.
         `read_timeout_s`: the longest wait for any byte of the answer."""
         conn = self.idle(key)
         if conn is not None:
@@ -304,9 +308,14 @@ async def exactly(conn: Connection, n: int) -> bytes:
     while len(buf) < n:
         if not await conn.more():
             raise BadAnswer(f"the connection ended {n - len(buf)} bytes short of the answer")
-    content = bytes(buf[:n]) if len(buf) > n else bytes(buf)
-    del buf[:n]
-    return content
+    return _front(buf, n)
+
+
+def _front(buf: bytearray, most: int) -> bytes:
+    """At most `most` bytes off the front of `buf`."""
+    piece = bytes(buf[:most]) if len(buf) > most else bytes(buf)
+    del buf[: len(piece)]
+    return piece
 
 
 async def read_body(conn: Connection, head: Head) -> bytes:
@@ -380,9 +389,7 @@ class Body:
             yield piece
 
     def _take(self, most: int) -> bytes:
-        buf = self.conn.buffer
-        piece = bytes(buf[:most]) if len(buf) > most else bytes(buf)
-        del buf[: len(piece)]
+        piece = _front(self.conn.buffer, most)
         self.left -= len(piece)
         return piece
 

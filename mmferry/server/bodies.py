@@ -92,6 +92,12 @@ class ReadCut:
             self._cut.discard(task)
 
 
+def _draining() -> RequestError:
+    return RequestError(
+        503, "draining", "the server is shutting down; the request body had not arrived"
+    )
+
+
 async def read_body(
     request: Any, limit: int, timeout_s: float, cut: ReadCut, *, copy: bool = True
 ) -> bytes | bytearray:
@@ -101,11 +107,8 @@ async def read_body(
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large("the request body", int(declared), "max_request_bytes", limit)
-    draining = RequestError(
-        503, "draining", "the server is shutting down; the request body had not arrived"
-    )
     if cut.is_set():
-        raise draining
+        raise _draining()
     # NOTE: one deadline for the whole body, not per read: a body that drips a byte at a time
     # would pass any per-read timeout. Read in the request's own task.
     with cut.reading() as was_cut:
@@ -114,7 +117,7 @@ async def read_body(
                 body = await _collect(request, limit)
         except asyncio.CancelledError:
             if was_cut():
-                raise draining from None
+                raise _draining() from None
             raise
         except TimeoutError:
             raise RequestError(

@@ -236,7 +236,7 @@ class EncoderService:
         if source.scheme == "remote":
             heads: list[Any] = [fetched.get(source.value)]
         elif source.scheme == "data":
-            heads = [source.value[:n] for n in _HEADER_B64]
+            heads = list(dict.fromkeys(source.value[:n] for n in _HEADER_B64))  # distinct
         else:
             return None
         cfg = self._cfg
