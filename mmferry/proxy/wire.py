@@ -288,7 +288,7 @@ async def _one_head(conn: Connection, method: str) -> Head | None:
     if length is None:
         head.keep = False  # the body ends with the connection
         return head
-    if not length.isdigit():
+    if not (length.isascii() and length.isdigit()):
         raise BadAnswer(f"content-length {length!r}")
     head.length = int(length)
     return head
@@ -297,7 +297,8 @@ async def _one_head(conn: Connection, method: str) -> Head | None:
 def _status(line: str) -> tuple[int, str]:
     version, _, rest = line.partition(" ")
     code = rest[:3]
-    if version not in ("HTTP/1.1", "HTTP/1.0") or not code.isdigit() or rest[3:4] not in ("", " "):
+    digits = code.isascii() and code.isdigit() and len(code) == 3
+    if version not in ("HTTP/1.1", "HTTP/1.0") or not digits or rest[3:4] not in ("", " "):
         raise BadAnswer(f"not an HTTP/1.1 status line: {line[:80]!r}")
     return int(code), version
 
@@ -428,12 +429,16 @@ class Body:
         self.done = True
 
 
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
 def _chunk_size(line: bytes | bytearray) -> int | None:
+    """A chunk's size, or None for a size line that is not hex digits (int() would also take
+    a sign, a 0x, underscores: a size of -1 had the body's reader spin)."""
     text = bytes(line).split(b";", 1)[0].strip()
-    try:
-        return int(text, 16)
-    except ValueError:
+    if not text or not _HEX.issuperset(text):
         return None
+    return int(text, 16)
 
 
 def _last_chunk_at(buf: bytes | bytearray, at: int) -> int | None:
