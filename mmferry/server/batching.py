@@ -4,8 +4,9 @@ Requests hand their items over and await them. A cache hit is answered at once; 
 hash is already queued or being encoded joins that item's future (encoded once); the rest
 queue. `workers` encoder threads (one per core on a CPU tower, one on an accelerator) each run
 one call at a time: while they are busy, new items pile up, and a worker that frees up takes
-its share of the queue (the queue over the workers) up to the patch budget (no fixed wait, so
-a lone request is not held).
+its share of the queue up to the patch budget (no fixed wait, so a lone request is not held):
+the queue over the workers, or over fewer where a split would cost more than a tenth more CPU
+(`calibrate`, call_cost.py).
 A `store` in front (`serve --store`: `mmferry.store.shared`) is asked for the items neither
 cached nor in flight before they queue, and given what was encoded once it is answered.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -26,7 +28,10 @@ import torch
 from mmferry.embed.cache import EncoderCache
 from mmferry.encoder.model import VisionOutput
 from mmferry.items import MultimodalItem
+from mmferry.server.call_cost import EXTRA, CallCost, measure
 from mmferry.server.metrics import Metrics
+
+log = logging.getLogger("mmferry.server")
 
 EncodeFn = Callable[[Sequence[MultimodalItem]], list[VisionOutput]]
 
@@ -94,6 +99,9 @@ class Batcher:
         self.max_batch_patches = max_batch_patches
         self.batch_wait_s = batch_wait_s
         self._pending: deque[_Job] = deque()
+        self._queued = 0  # patches in `_pending`
+        # None: a short queue is split over every idle worker (one worker, or not measured).
+        self.cost: CallCost | None = None
         self._inflight: dict[str, asyncio.Future[VisionOutput]] = {}
         self._wake = asyncio.Event()
         if workers < 1 or threads < 1:
@@ -119,6 +127,26 @@ class Batcher:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._executor.shutdown(wait=True)
+
+    async def calibrate(self, small: list[MultimodalItem], large: list[MultimodalItem]) -> None:
+        """Weigh later splits by this encoder's call cost, measured on `small` and `large` (a
+        few items of different sizes) on a worker; only where several workers run."""
+        if self.workers < 2:
+            return
+        patches = (sum(i.num_patches for i in small), sum(i.num_patches for i in large))
+        loop = asyncio.get_running_loop()
+        self.cost = cost = await loop.run_in_executor(
+            self._executor, measure, self._encode, small, large, patches
+        )
+        if cost is not None:
+            log.info(
+                "an encoder call costs %.2f ms of CPU and %.1f us a patch: a short queue is "
+                "split over the %d workers where each further call adds at most %d%% of its CPU",
+                cost.fixed_s * 1e3,
+                cost.per_patch_s * 1e6,
+                self.workers,
+                round(EXTRA * 100),
+            )
 
     @property
     def depth(self) -> int:
@@ -155,6 +183,7 @@ class Batcher:
                 fut = loop.create_future()
                 self._inflight[it.hash] = fut
                 self._pending.append(_Job(it, fut, time.perf_counter()))
+                self._queued += it.num_patches
             futures.append(fut)
         self.metrics.queue_depth.set(len(self._pending))
         self._wake.set()
@@ -172,7 +201,16 @@ class Batcher:
                 break
             batch.append(self._pending.popleft())
             patches += n
+        self._queued -= patches
         return batch
+
+    def _share(self) -> int:
+        """Items a worker takes now: the queue over the workers, or over as many calls as
+        are worth their fixed cost."""
+        calls = self.workers
+        if self.cost is not None:
+            calls = self.cost.shares(self._queued, calls)
+        return -(-len(self._pending) // calls)
 
     def _encode_owned(self, items: list[MultimodalItem]) -> list[VisionOutput]:
         return [_owned(o) for o in self._encode(items)]
@@ -184,13 +222,13 @@ class Batcher:
             # NOTE: the queue is shared among all the workers, busy ones too: a worker that
             # took everything would leave the others idle when they free up (on a CPU host
             # each worker is a core), and a share left queued goes to the next one free.
-            share = -(-len(self._pending) // self.workers)
+            share = self._share()
             while self._pending and self._idle:
                 if self.batch_wait_s > 0:
                     await asyncio.sleep(self.batch_wait_s)
                     if not self._pending:
                         break
-                    share = -(-len(self._pending) // self.workers)
+                    share = self._share()
                 batch = self._take(share)
                 self._idle -= 1
                 call = asyncio.ensure_future(self._call(batch))

@@ -173,7 +173,29 @@ class EncoderService:
         return None if self._arena is None else self._arena.name
 
     async def start(self) -> None:
+        items = self._calibration_items() if self.batcher.workers > 1 else None
+        if items is not None:
+            await self.batcher.calibrate(*items)
         self.batcher.start()
+
+    def _calibration_items(self) -> tuple[list[MultimodalItem], list[MultimodalItem]] | None:
+        """Two blank images of 64 and 256 patches at a merge size of 2, the items that measure
+        a call's fixed and per-patch cost (call_cost.py); None for the generic family (its
+        processor's items, its sizes)."""
+        cfg = self._cfg
+        if cfg is None:
+            return None
+        layout = self.processor.layouts[0]
+        m, p = cfg.merge_size, cfg.patch_size
+        width = 3 * p * p * (cfg.temporal_patch_size if layout == "hf" else 1)
+        dtype = torch.float32 if layout == "hf" else torch.uint8
+
+        def blank(side: int) -> MultimodalItem:
+            grid = (1, side * m, side * m)
+            rows = torch.zeros(grid[1] * grid[2], width, dtype=dtype)
+            return MultimodalItem("image", rows, grid, layout, f"calibration-{side}", m)
+
+        return [blank(4)], [blank(8)]
 
     async def close(self) -> None:
         """Stop the encoder thread and release the shared-memory arena."""
