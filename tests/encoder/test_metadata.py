@@ -59,3 +59,21 @@ def test_frames_and_runs():
     assert meta.positions.shape == (40, 2)
     # The video's frames repeat the same (row, col) positions.
     assert torch.equal(meta.positions[24:28], meta.positions[28:32])
+
+
+def test_a_calls_metadata_is_built_once_per_list_of_grids_and_settings():
+    """Calls repeat image sizes: their metadata is kept per list of grids, keyed by every
+    setting too (a window size or table side of another tower never answers)."""
+    from mmferry.encoder import metadata
+
+    metadata.clear_caches()
+    grids = [(1, 8, 12), (1, 4, 4)]
+    first = build_metadata(grids, merge=2, head_dim=16, window=4)
+    assert build_metadata([list(g) for g in grids], merge=2, head_dim=16, window=4) is first
+    assert 0 < metadata.cache_bytes() <= metadata.CACHE_BYTES
+    plain = build_metadata(grids, merge=2, head_dim=16)
+    assert plain.windows is None and first.windows is not None
+    assert build_metadata(grids, merge=2, head_dim=32, window=4).inv_freq.shape == (8,)
+    assert build_metadata(grids[::-1], merge=2, head_dim=16, window=4) is not first
+    interpolated = build_metadata(grids, merge=2, head_dim=16, position_side=4)
+    assert interpolated.interp_taps is not None and plain.interp_taps is None
