@@ -10,7 +10,6 @@ once, checked and read from that one descriptor. Every refusal carries an HTTP s
 
 from __future__ import annotations
 
-import base64
 import binascii
 import errno
 import os
@@ -21,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import SplitResult, unquote, urlsplit
+
+from mmferry.chat.base64_text import decode_base64
 
 Modality = Literal["image", "video"]
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
@@ -309,7 +310,7 @@ def read(ref: Reference, policy: SourcePolicy, bad: Bad) -> bytes:
     """The bytes `ref` names (a remote one fetched with `policy.fetch`)."""
     if ref.scheme == "data":
         try:
-            return base64.b64decode(ref.value, validate=True)
+            return decode_base64(ref.value)
         except (binascii.Error, ValueError) as e:
             raise bad(f"invalid base64 ({e})", kind="bad_base64", status=400) from None
     if ref.scheme == "path":

@@ -19,12 +19,12 @@ client's answer.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from mmferry.chat.base64_text import decode_base64
 from mmferry.chat.sources import Reference
 from mmferry.config import ProcessorConfig, TokenIds
 from mmferry.proxy.media import Encoded, Media
@@ -81,7 +81,7 @@ def name_items(media: Sequence[Media], cfg: ProcessorConfig) -> list[Encoded] | 
     for m in media:
         assert isinstance(m.part.source, Reference)
         try:
-            data = base64.b64decode(m.part.source.value, validate=True)
+            data = decode_base64(m.part.source.value)
             key, grid = encoded_image_facts(data, cfg)
         except (binascii.Error, ValueError):
             return None

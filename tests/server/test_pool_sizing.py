@@ -1,9 +1,8 @@
-"""The service sizes an item for its pool only from a header the pixel limit allows, and reads
-that header off the event loop."""
+"""The service sizes an item for its pool only from a header the pixel limit allows, reads a
+fetched file's header off the event loop, and a data: URL's from its head alone."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import threading
@@ -18,7 +17,9 @@ from mmferry.preprocess import buffers
 from mmferry.preprocess import scheduler as scheduler_mod
 from mmferry.server.limits import Limits, RequestError
 
+from .conftest import png
 from .in_process import prepare
+from .slow import SlowOrigin
 
 PROC = mf.Processor.for_model("qwen3-vl")
 
@@ -63,26 +64,46 @@ def test_an_image_within_the_limit_asks_for_its_own_bytes(asks):
     assert asks == [scheduler_mod.image_bytes(600, 800, PROC.config, "compact-u8")]
 
 
-def test_headers_are_read_off_the_event_loop(monkeypatch):
-    opened: list[threading.Thread] = []
+def _recorded_opens(monkeypatch) -> list[tuple[threading.Thread, int | None]]:
+    """Each `Image.open`: its thread and the bytes of the buffer it opened (None: not bytes)."""
+    opened: list[tuple[threading.Thread, int | None]] = []
     real_open = Image.open
 
-    def recording_open(*args: Any, **kwargs: Any) -> Any:
-        opened.append(threading.current_thread())
-        return real_open(*args, **kwargs)
-
-    loop_threads: list[threading.Thread] = []
-
-    async def run() -> None:
-        loop_threads.append(threading.current_thread())
+    def recording_open(fp: Any, *args: Any, **kwargs: Any) -> Any:
+        size = len(fp.getbuffer()) if isinstance(fp, io.BytesIO) else None
+        opened.append((threading.current_thread(), size))
+        return real_open(fp, *args, **kwargs)
 
     monkeypatch.setattr(Image, "open", recording_open)
-    asyncio.run(run())
-    prepare({"content": [_part(_data_url(64, 48)), _part(_data_url(96, 80))]}, Limits())
-    # The loop of `_prepare` runs on this thread, as the loop of `run` did.
-    assert loop_threads == [threading.current_thread()]
-    assert opened, "no image header was read"
-    assert threading.current_thread() not in opened
+    return opened
+
+
+def test_a_fetched_files_header_is_read_off_the_event_loop(monkeypatch):
+    """A fetched file is any size: its header is parsed on a thread, never on the loop (which
+    runs `prepare` on this thread)."""
+    opened = _recorded_opens(monkeypatch)
+    with SlowOrigin(png(96, 80, seed=5)) as origin:
+        url = f"http://{origin.host}/img.png"
+        items = prepare({"content": [_part(url), _part(url)]}, Limits(allow_hosts=(origin.host,)))
+    assert len(items) == 2
+    assert len(opened) >= 4, "no image header was read"  # two sizes, two decodes
+    assert threading.current_thread() not in [t for t, _ in opened]
+
+
+def test_a_data_urls_header_is_read_on_the_loop_from_its_head_alone(monkeypatch, asks):
+    """A data: URL's header is parsed on the event loop (a hop to a thread and back cost more
+    than the parse), from at most 48 KiB of its payload, whatever its size."""
+    opened = _recorded_opens(monkeypatch)
+    big = _data_url(1600, 1200)  # about 1.3 MB of base64
+    assert len(big) > 1_000_000
+    prepare({"content": [_part(big), _part(_data_url(96, 80))]}, Limits(max_pixels=4_000_000))
+    on_loop = [size for t, size in opened if t is threading.current_thread()]
+    assert len(on_loop) == 2  # one header each, both sized
+    assert all(size is not None and size <= 48 * 1024 for size in on_loop)
+    assert sorted(asks) == sorted(
+        scheduler_mod.image_bytes(h, w, PROC.config, "compact-u8")
+        for h, w in [(1200, 1600), (80, 96)]
+    )
 
 
 def test_a_header_past_a_large_exif_block_still_sizes_the_item(asks):
