@@ -31,7 +31,7 @@ from mmferry.proxy.ahead import INLINE_CHARS, name_items, nameable, payload_char
 from mmferry.proxy.config import ProxyConfig
 from mmferry.proxy.encoders import EncoderPool
 from mmferry.proxy.forward import Answer, Upstream, relay, response_headers
-from mmferry.proxy.media import Media, as_pixels, by_reference, find_media, rewrite
+from mmferry.proxy.media import Encoded, Media, as_pixels, by_reference, find_media, rewrite
 from mmferry.proxy.metrics import ProxyMetrics
 from mmferry.proxy.paths import CanonicalPaths, engine_path, refused_route
 from mmferry.server.app import import_fastapi
@@ -50,10 +50,13 @@ METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 
 @dataclass(frozen=True)
 class Retry:
-    """A chat request's second form: its `items` sent by reference, as pixels in `body()`."""
+    """A chat request's next form, for an engine that failed it before any output: its `items`
+    sent by reference encoded again by their next encoders (`elsewhere`, with the form after
+    it), or as pixels in `body()`."""
 
     items: int
     body: Callable[[], bytes]
+    elsewhere: Callable[[], Awaitable[tuple[bytes, Retry | None]]] | None = None
 
 
 # With items named ahead of their encode: given the engine's answer on its way (its headers
@@ -226,17 +229,14 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
                 if instead is not None:
                     raw, again = instead
                     upstream = await send(raw)
-            if again is not None and await upstream.failed_before_output():
+            while again is not None and await upstream.failed_before_output():
                 # NOTE: an item sent by reference that the engine's connector could not find
-                # (its encoder died or dropped it): the engine encodes it from the pixels.
+                # (its encoder died or dropped it): encoded again by its next encoder, else
+                # by the engine from its pixels.
                 await upstream.aclose()
-                log.warning(
-                    "the engine failed a request whose items went by reference; "
-                    "sending it again with pixels"
-                )
-                metrics.items_fallback.labels("engine_lacked").inc(again.items)
                 upstream = None
-                upstream = await send(again.body())
+                raw, again = await next_form(again)
+                upstream = await send(raw)
         except BaseException:
             if upstream is not None:
                 with contextlib.suppress(Exception):
@@ -322,23 +322,66 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         intake.count(request, answer.status_code)
         return answer
 
+    async def next_form(again: Retry) -> tuple[bytes, Retry | None]:
+        """The body to send after the engine failed the one `again` came with."""
+        if again.elsewhere is not None:
+            log.warning(
+                "the engine failed a request whose items went by reference; "
+                "encoding them again on their next encoders"
+            )
+            try:
+                return await again.elsewhere()
+            except RequestError as e:  # an encoder refused an item the first one took
+                log.warning("encoding them again failed: %s", e.message)
+        log.warning(
+            "the engine failed a request whose items went by reference; sending it again with "
+            "pixels"
+        )
+        metrics.items_fallback.labels("engine_lacked").inc(again.items)
+        return again.body(), None
+
     async def _encoded_body(body: Any, media: list[Media]) -> tuple[bytes, Retry | None]:
         """The chat body with its `media` encoded and rewritten (as it came when it has none),
-        and, when some items go by reference, how to send it with pixels instead."""
+        and, when some items go by reference, how to send it otherwise (`Retry`)."""
         if not media:
             return dump_json(body), None
         answers = await state.encoders.encode(media)
-        raw = dump_json(rewrite(body, media, answers, config.mode))
-        n = by_reference(media, answers, config.mode)
-        if not n or not as_pixels(media):
+        return dump_json(rewrite(body, media, answers, config.mode)), _retry(body, media, answers)
+
+    def _retry(
+        body: Any, media: list[Media], answers: list[Encoded | None], moved: bool = False
+    ) -> Retry | None:
+        """How to send `body` again when the engine lacks the items `answers` send by
+        reference: encoded again by the next encoders (once: not after a move), then as
+        pixels. None: no item goes by reference, or not every item can go as pixels."""
+        referenced = by_reference(media, answers, config.mode)
+        if not referenced or not as_pixels(media):
             # NOTE: an item vLLM cannot read as the encoder did is not sent again as pixels:
             # the engine's own failure is the answer.
-            return raw, None
+            return None
 
         def pixels() -> bytes:
             return dump_json(rewrite(body, media, answers, config.mode, pixels_only=True))
 
-        return raw, Retry(n, pixels)
+        async def elsewhere() -> tuple[bytes, Retry | None]:
+            # NOTE: the encoders that held the items are left out (the engine's connector did
+            # not find one of the items, at one of them), so an encoder dead or cut off since
+            # its answer costs an encode on the next one, not the engine's own tower.
+            items = [media[i] for i in referenced]
+            held = list(dict.fromkeys(a.url for a in map(answers.__getitem__, referenced) if a))
+            again = await state.encoders.encode(items, [held] * len(items))
+            if any(a is None for a in again):
+                # Held by no other encoder: the request as pixels, every uuid dropped (a uuid
+                # vLLM saw as a grid alone would bring the grid back).
+                metrics.items_fallback.labels("engine_lacked").inc(len(referenced))
+                return pixels(), None
+            metrics.items_moved.inc(len(referenced))
+            new = list(answers)
+            for i, a in zip(referenced, again):
+                new[i] = a
+            return dump_json(rewrite(body, media, new, config.mode)), _retry(body, media, new, True)
+
+        return Retry(len(referenced), pixels, None if moved else elsewhere)
 
     async def _named_body(body: Any, media: list[Media]) -> tuple[bytes, Retry, Settle] | None:
         """With --name-ahead: the chat body with its images named by the proxy, their encode

@@ -262,25 +262,30 @@ class EncoderPool:
             raise _Split(r.text[:200])
         raise client_error(r.status_code, r.text, media)
 
-    async def encode(self, media: list[Media]) -> list[Encoded | None]:
+    async def encode(
+        self, media: list[Media], exclude: list[list[str]] | None = None
+    ) -> list[Encoded | None]:
         """Each item encoded and held by an encoder (with its rows in embeds mode), or None:
         send its pixels. The items routed to one encoder go to it in one call; those of a call
         that failed go to their next choices. RequestError when an encoder refused an item
-        itself (the first refusal cancels the other calls)."""
+        itself (the first refusal cancels the other calls). `exclude`: each item's encoders not
+        to ask (those that held it when the engine could not find it there); the caller of such
+        a second encode counts the items it sends as pixels."""
         # Connector mode: answers ahead of the rows, when the whole request could follow as
         # pixels (the engine's failure of an encode that failed behind its answer is caught by
         # sending it again with pixels); otherwise each call waits for its rows, and a failing
         # encoder passes its items to their next choices.
         early = self.config.mode == "connector" and self.config.encode_ahead and as_pixels(media)
         done: list[Encoded | None] = [None] * len(media)
-        tried: list[list[str]] = [[] for _ in media]
+        tried = [[] for _ in media] if exclude is None else [list(urls) for urls in exclude]
         pending = list(range(len(media)))
         while pending:
             calls: dict[str, list[int]] = {}
             for i in pending:
                 url = self.router.route(media[i].key, exclude=tried[i])
                 if url is None:
-                    self.metrics.items_fallback.labels("no_encoder").inc()
+                    if exclude is None:
+                        self.metrics.items_fallback.labels("no_encoder").inc()
                     continue
                 tried[i].append(url)
                 self.router.acquire(url)  # counted before the next item is routed
@@ -295,6 +300,8 @@ class EncoderPool:
                         pending.append(i)
                     else:
                         done[i] = answer
+                        if answer is None and exclude is None:
+                            self.metrics.items_fallback.labels("not_held").inc()
         return done
 
     async def _call(
@@ -343,11 +350,7 @@ class EncoderPool:
         except BadEncoderAnswer as e:
             raise _Failed("bad_answer", str(e)) from None
         self.metrics.items_routed.labels(url).inc(len(media))
-        answers: list[Encoded | None] = []
-        for f in facts:
-            if not f["held"]:
-                self.metrics.items_fallback.labels("not_held").inc()
-            answers.append(Encoded(f) if f["held"] else None)
+        answers = [Encoded(f, url=url) if f["held"] else None for f in facts]
         if self.config.mode == "connector":
             return answers
         for m, f in zip(media, facts):
@@ -366,7 +369,7 @@ class EncoderPool:
         held = [(k, a) for k, a in enumerate(answers) if a is not None]
         if held:
             for (k, _), rows in zip(held, await self._load(url, [a.facts for _, a in held], media)):
-                answers[k] = None if rows is None else Encoded(facts[k], rows)
+                answers[k] = None if rows is None else Encoded(facts[k], rows, url=url)
         return answers
 
     async def _load(self, url: str, facts: list[dict], media: list[Media]) -> list[Any]:
@@ -380,7 +383,6 @@ class EncoderPool:
                 # One lost item fails the whole load: the others are loaded alone.
                 return [(await self._load(url, [f], media))[0] for f in facts]
             log.warning("encoder %s lost %s before its load: %s", url, body["hashes"], e.message)
-            self.metrics.items_fallback.labels("not_held").inc(len(facts))
             return [None] * len(facts)
         try:
             return loaded_rows(r.content, facts, self.config.dtype)

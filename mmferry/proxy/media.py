@@ -69,6 +69,7 @@ class Encoded:
     # Named by the proxy ahead of its encode: the rank, among the item's choices, of the
     # encoder it was sent to (routing.py's `item_name`).
     ahead: int | None = None
+    url: str | None = None  # the encoder that holds it
 
 
 def route_key(part: MediaPart) -> str:
@@ -223,13 +224,13 @@ def pixel_part(media: Media, uuid: str | None = None) -> dict[str, Any]:
     return part
 
 
-def by_reference(media: Sequence[Media], answers: Sequence[Encoded | None], mode: str) -> int:
-    """How many items `rewrite` sends as a grid and a uuid alone (connector mode): the engine
-    has no pixels for them, only the connector's load."""
+def by_reference(media: Sequence[Media], answers: Sequence[Encoded | None], mode: str) -> list[int]:
+    """The items `rewrite` sends as a grid and a uuid alone (connector mode): the engine has no
+    pixels for them, only the connector's load."""
     if mode != "connector":
-        return 0
+        return []
     pixels = _pixel_modalities(media, answers)
-    return sum(m.modality not in pixels for m in media)
+    return [i for i, m in enumerate(media) if m.modality not in pixels]
 
 
 def _pixel_modalities(media: Sequence[Media], answers: Sequence[Encoded | None]) -> set[str]:

@@ -56,6 +56,12 @@ class ProxyMetrics(Staged):
             ["reason"],
             registry=r,
         )
+        self.items_moved = Counter(
+            "mmferry_proxy_items_moved",
+            "items the engine could not find where they went by reference (their encoder died "
+            "or dropped them), encoded again by their next encoder and sent by reference again",
+            registry=r,
+        )
         self.named_ahead = Counter(
             "mmferry_proxy_named_ahead",
             "items named by the proxy and sent to the engine beside their encode (--name-ahead): "

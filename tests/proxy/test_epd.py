@@ -473,6 +473,69 @@ def test_items_vllm_cannot_find_are_sent_again_as_pixels(stack):
     assert httpx.get(f"{stack.vllm.url}/health", timeout=10).status_code == 200
 
 
+def _lying_facts(stack, pics: list, tag: str) -> dict[str, dict]:
+    """Each picture's facts as an encoder that says it holds it, under a hash nobody holds."""
+    proc = mf.Processor.from_pretrained(stack.model)
+    return {
+        image_part(p)["image_url"]["url"]: {
+            "modality": "image",
+            "hash": f"{tag}-{i}",
+            "grid_thw": list(proc.image(p).grid_thw),
+            "num_tokens": proc.image(p).num_tokens,
+            "held": True,
+        }
+        for i, p in enumerate(pics)
+    }
+
+
+@only_qwen2_5
+def test_items_vllm_cannot_find_are_encoded_again_by_their_next_encoder(stack):
+    """Connector mode: the encoder the items route to first says it holds them, but vLLM's
+    connector finds them nowhere (as when that encoder dies or is cut off right after its
+    answer). The proxy has the items encoded again by their next encoders, left out those that
+    said they held them, and sends them by reference again: vLLM's answer comes from a real
+    encoder's rows (it has no pixels to encode), the same as for the pixels. When the next
+    encoder lies too, the request goes as pixels, its third form."""
+    f = stack.factor
+    urls = [e.url for e in stack.encoders]
+    with LyingService() as lying, LyingService() as other:
+        # Images whose first choice, among the lying service and the real encoders, is the
+        # lying one: their next choices are real encoders.
+        ranked = [lying.url, *urls]
+        pics = [image(2 * f, 2 * f, 700 + seed) for seed in range(40)]
+        pics = [p for p in pics if first_choice(ranked, image_part(p)) == lying.url][:2]
+        assert len(pics) == 2
+        content = [image_part(p) for p in pics] + [TEXT]
+        want = reference(stack, content)
+        facts = _lying_facts(stack, pics, "held-nowhere")
+        answer = lambda body: js({"items": [facts[p["image_url"]["url"]] for p in body["content"]]})  # noqa: E731
+        lying.answer("encode", answer)
+        other.answer("encode", answer)
+        front = proxy(stack.vllm.url, ranked, "connector").start()
+        try:
+            for stream in (False, True):
+                chat(front.url, stack.model, content, stream=stream).same_as(want)
+            assert len(lying.calls("encode")) == 2  # each request's first form alone
+            assert scrape(front.url, "mmferry_proxy_items_moved_total") == 4
+            assert scrape(front.url, "mmferry_proxy_items_fallback_total") == 0
+        finally:
+            front.stop()
+
+        # Both encoders the proxy knows lie: the item moves once, then goes as pixels.
+        one = [image_part(pics[0]), TEXT]
+        want = reference(stack, one)
+        front = proxy(stack.vllm.url, [lying.url, other.url], "connector").start()
+        try:
+            chat(front.url, stack.model, one).same_as(want)
+            assert scrape(front.url, "mmferry_proxy_items_moved_total") == 1
+            lacked = scrape(front.url, "mmferry_proxy_items_fallback_total", reason="engine_lacked")
+            assert lacked == 1
+            assert len(lying.calls("encode")) + len(other.calls("encode")) == 2 + 2
+        finally:
+            front.stop()
+    assert httpx.get(f"{stack.vllm.url}/health", timeout=10).status_code == 200
+
+
 @only_qwen2_5
 def test_api_key_admission_and_drain(stack):
     key = "proxy-key-0123456789"
