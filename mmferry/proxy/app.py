@@ -56,7 +56,8 @@ class Retry:
 
     items: int
     body: Callable[[], bytes]
-    elsewhere: Callable[[], Awaitable[tuple[bytes, Retry | None]]] | None = None
+    # None from it: no other encoder holds them all.
+    elsewhere: Callable[[], Awaitable[tuple[bytes, Retry | None] | None]] | None = None
 
 
 # With items named ahead of their encode: given the engine's answer on its way (its headers
@@ -330,7 +331,9 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
                 "encoding them again on their next encoders"
             )
             try:
-                return await again.elsewhere()
+                moved = await again.elsewhere()
+                if moved is not None:
+                    return moved
             except RequestError as e:  # an encoder refused an item the first one took
                 log.warning("encoding them again failed: %s", e.message)
         log.warning(
@@ -363,18 +366,16 @@ def create_app(config: ProxyConfig, state: ProxyState | None = None) -> Any:
         def pixels() -> bytes:
             return dump_json(rewrite(body, media, answers, config.mode, pixels_only=True))
 
-        async def elsewhere() -> tuple[bytes, Retry | None]:
+        async def elsewhere() -> tuple[bytes, Retry | None] | None:
             # NOTE: the encoders that held the items are left out (the engine's connector did
             # not find one of the items, at one of them), so an encoder dead or cut off since
-            # its answer costs an encode on the next one, not the engine's own tower.
-            items = [media[i] for i in referenced]
-            held = list(dict.fromkeys(a.url for a in map(answers.__getitem__, referenced) if a))
-            again = await state.encoders.encode(items, [held] * len(items))
+            # its answer costs an encode on the next one, not the engine's own tower. None
+            # where one is held by no other: the request goes as pixels, every uuid dropped (a
+            # uuid vLLM saw as a grid alone would bring the grid back).
+            held = {answers[i].url for i in referenced}  # each referenced item has an answer
+            again = await state.encoders.encode([media[i] for i in referenced], held)
             if any(a is None for a in again):
-                # Held by no other encoder: the request as pixels, every uuid dropped (a uuid
-                # vLLM saw as a grid alone would bring the grid back).
-                metrics.items_fallback.labels("engine_lacked").inc(len(referenced))
-                return pixels(), None
+                return None
             metrics.items_moved.inc(len(referenced))
             new = list(answers)
             for i, a in zip(referenced, again):

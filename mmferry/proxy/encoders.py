@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Collection
 from typing import Any
 
 from mmferry.config import ProcessorConfig
@@ -263,28 +264,29 @@ class EncoderPool:
         raise client_error(r.status_code, r.text, media)
 
     async def encode(
-        self, media: list[Media], exclude: list[list[str]] | None = None
+        self, media: list[Media], exclude: Collection[str] = ()
     ) -> list[Encoded | None]:
         """Each item encoded and held by an encoder (with its rows in embeds mode), or None:
         send its pixels. The items routed to one encoder go to it in one call; those of a call
         that failed go to their next choices. RequestError when an encoder refused an item
-        itself (the first refusal cancels the other calls). `exclude`: each item's encoders not
-        to ask (those that held it when the engine could not find it there); the caller of such
-        a second encode counts the items it sends as pixels."""
+        itself (the first refusal cancels the other calls). `exclude`: encoders not to ask (a
+        second encode's: those that held the items when the engine could not find them there),
+        whose caller counts the items it sends as pixels."""
         # Connector mode: answers ahead of the rows, when the whole request could follow as
         # pixels (the engine's failure of an encode that failed behind its answer is caught by
         # sending it again with pixels); otherwise each call waits for its rows, and a failing
         # encoder passes its items to their next choices.
         early = self.config.mode == "connector" and self.config.encode_ahead and as_pixels(media)
         done: list[Encoded | None] = [None] * len(media)
-        tried = [[] for _ in media] if exclude is None else [list(urls) for urls in exclude]
+        first = not exclude  # counts its items left to the engine itself
+        tried = [list(exclude) for _ in media]
         pending = list(range(len(media)))
         while pending:
             calls: dict[str, list[int]] = {}
             for i in pending:
                 url = self.router.route(media[i].key, exclude=tried[i])
                 if url is None:
-                    if exclude is None:
+                    if first:
                         self.metrics.items_fallback.labels("no_encoder").inc()
                     continue
                 tried[i].append(url)
@@ -300,7 +302,7 @@ class EncoderPool:
                         pending.append(i)
                     else:
                         done[i] = answer
-                        if answer is None and exclude is None:
+                        if answer is None and first:
                             self.metrics.items_fallback.labels("not_held").inc()
         return done
 

@@ -437,6 +437,22 @@ def test_vllm_plans_items_the_proxy_named_and_waits_for_their_rows(stack):
         original.start()
 
 
+def _holds_nowhere(stack, pics: list):
+    """An encode answer saying each of `pics` is held, under a hash no encoder holds."""
+    proc = mf.Processor.from_pretrained(stack.model)
+    facts = {}
+    for i, p in enumerate(pics):
+        item = proc.image(p)
+        facts[image_part(p)["image_url"]["url"]] = {
+            "modality": "image",
+            "hash": f"held-nowhere-{i}",
+            "grid_thw": list(item.grid_thw),
+            "num_tokens": item.num_tokens,
+            "held": True,
+        }
+    return lambda body: js({"items": [facts[p["image_url"]["url"]] for p in body["content"]]})
+
+
 @only_qwen2_5
 def test_items_vllm_cannot_find_are_sent_again_as_pixels(stack):
     """Connector mode: an encoder says it holds each item, but vLLM's connector finds them on
@@ -447,20 +463,8 @@ def test_items_vllm_cannot_find_are_sent_again_as_pixels(stack):
     pics = [image(2 * f, 3 * f, 500), gradient(3 * f, 2 * f, 501)]
     content = [image_part(p) for p in pics] + [TEXT]
     want = reference(stack, content)
-    proc = mf.Processor.from_pretrained(stack.model)
-    facts = {
-        part["image_url"]["url"]: {
-            "modality": "image",
-            "hash": f"held-nowhere-{i}",
-            "grid_thw": list(proc.image(p).grid_thw),
-            "num_tokens": proc.image(p).num_tokens,
-            "held": True,
-        }
-        for i, (part, p) in enumerate(zip(content, pics))
-    }
-    answer = lambda body: js({"items": [facts[p["image_url"]["url"]] for p in body["content"]]})  # noqa: E731
     with LyingService() as lying:
-        lying.answer("encode", answer)
+        lying.answer("encode", _holds_nowhere(stack, pics))
         front = proxy(stack.vllm.url, [lying.url], "connector").start()
         try:
             for stream in (False, True):
@@ -471,21 +475,6 @@ def test_items_vllm_cannot_find_are_sent_again_as_pixels(stack):
         finally:
             front.stop()
     assert httpx.get(f"{stack.vllm.url}/health", timeout=10).status_code == 200
-
-
-def _lying_facts(stack, pics: list, tag: str) -> dict[str, dict]:
-    """Each picture's facts as an encoder that says it holds it, under a hash nobody holds."""
-    proc = mf.Processor.from_pretrained(stack.model)
-    return {
-        image_part(p)["image_url"]["url"]: {
-            "modality": "image",
-            "hash": f"{tag}-{i}",
-            "grid_thw": list(proc.image(p).grid_thw),
-            "num_tokens": proc.image(p).num_tokens,
-            "held": True,
-        }
-        for i, p in enumerate(pics)
-    }
 
 
 @only_qwen2_5
@@ -507,8 +496,7 @@ def test_items_vllm_cannot_find_are_encoded_again_by_their_next_encoder(stack):
         assert len(pics) == 2
         content = [image_part(p) for p in pics] + [TEXT]
         want = reference(stack, content)
-        facts = _lying_facts(stack, pics, "held-nowhere")
-        answer = lambda body: js({"items": [facts[p["image_url"]["url"]] for p in body["content"]]})  # noqa: E731
+        answer = _holds_nowhere(stack, pics)
         lying.answer("encode", answer)
         other.answer("encode", answer)
         front = proxy(stack.vllm.url, ranked, "connector").start()
